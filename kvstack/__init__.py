@@ -1,0 +1,40 @@
+"""kvstack — compose KV-cache compression techniques into one Hugging Face transformers cache.
+
+    import kvstack
+    kvstack.apply(model, "streaming")          # one call: generate now uses the composed cache
+    out = model.generate(ids, max_new_tokens=64)
+"""
+
+from kvstack.stack.apply import applied, apply, cache_for, remove
+from kvstack.stack.base import Budget, Stage, StageSpec
+from kvstack.stack.cache import KVStackCache
+from kvstack.stack.errors import CacheUsageError, KVStackError, SpecError, UnsupportedModelError
+from kvstack.stack.memory import full_cache_bytes
+from kvstack.stack.registry import register_stage, stage_specs
+from kvstack.stack.shape import SUPPORTED_MODEL_TYPES, ModelShape
+from kvstack.stack.spec import StackSpec, list_presets, preset_names
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "CacheUsageError",
+    "KVStackCache",
+    "KVStackError",
+    "ModelShape",
+    "SUPPORTED_MODEL_TYPES",
+    "SpecError",
+    "StackSpec",
+    "Stage",
+    "StageSpec",
+    "UnsupportedModelError",
+    "applied",
+    "apply",
+    "cache_for",
+    "full_cache_bytes",
+    "list_presets",
+    "preset_names",
+    "register_stage",
+    "remove",
+    "stage_specs",
+]

@@ -1,0 +1,552 @@
+"""KIVI-style asymmetric group quantization with bit-packed codes.
+
+Reference: Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache", arXiv:2402.02750. Keys are quantized per channel (groups run along the
+token axis, because key outliers live in fixed channels); values are quantized
+per token (groups run along the channel axis).
+
+Math, for one group of values ``x`` and ``b`` bits (``L = 2**b - 1``)::
+
+    mn = min(x), mx = max(x)
+    s  = ceil_dtype((mx - mn) / L)         # stored "scale", rounded UP to the dtype
+    q  = clamp(floor((x - mn) / s + 0.5), 0, L)
+    x^ = q * s + mn                        # dequantized
+
+All arithmetic is float32. Scale and zero point (``mn``) are stored in the input
+dtype (fp32 / fp16 / bf16). The scale is rounded *up* to the storage dtype
+*before* the codes are computed, so codes are chosen against the scale that
+dequantization will actually use, and ``(mx - mn) / s <= L`` (no element needs
+clamping), which gives ``|x - x^| <= s / 2`` up to float rounding. ``mn`` is an
+element of the input, so it is stored exactly.
+
+Rounding is ``floor(v + 0.5)`` in both the torch reference and the Triton kernel
+(one rule, so the two give bit-identical codes for the same float32 inputs).
+
+Edge cases:
+
+* zero range (``mx == mn``): ``s = 0`` is stored, all codes are 0 and the group
+  dequantizes to ``mn`` exactly (the division is guarded).
+* a non-zero range whose scale underflows to 0: the scale becomes the smallest
+  positive (subnormal) value of the dtype (rounding up does this for fp16/bf16; an
+  explicit guard for fp32). Such groups quantize exactly, because their values
+  are multiples of that number.
+* NaN/Inf in the input: ``ValueError`` (a silent NaN cache is never produced).
+* huge magnitudes: the range is computed in float32, so e.g. ``1e30`` (fp32) and
+  ``6e4`` (fp16; ``mx - mn`` would overflow fp16 but not fp32) work. For fp16 the
+  scale is at most ``2 * 65504 / 3 < 65504`` and is always representable. The only
+  unrepresentable case is a group whose range exceeds the float32 maximum (values
+  beyond about ``+-1.7e38``, reachable with fp32/bf16 inputs); that raises
+  ``ValueError`` rather than storing an infinite scale.
+
+Layout of :class:`QuantizedGroups` for an input ``x`` of shape ``[B, H, T, D]``
+with group size ``G`` and pack factor ``pf = 8 // b`` (``PACK_FACTOR``):
+
+* ``axis="token"`` (keys, per-channel): a group is ``G`` consecutive tokens of one
+  channel. Codes are packed along T: ``packed`` is ``[B, H, T // pf, D]`` uint8;
+  ``scale``/``zero`` are ``[B, H, T // G, D]``.
+* ``axis="channel"`` (values, per-token): a group is ``G`` consecutive channels of
+  one token. Codes are packed along D: ``packed`` is ``[B, H, T, D // pf]``;
+  ``scale``/``zero`` are ``[B, H, T, D // G]``.
+
+Within a byte, code ``i`` (``i < pf``) of ``pf`` consecutive codes along the packed
+axis occupies bits ``[i*b, (i+1)*b)``. ``G`` must be a multiple of ``pf`` so no
+byte straddles two groups (whole groups can then be appended/sliced freely).
+
+Bytes, with ``N = B*H*T*D`` and ``e`` the itemsize of the input dtype::
+
+    nbytes = N * b / 8  +  2 * (N / G) * e
+
+e.g. 2 bits, G = 32, fp16: ``N/4 + N/8 = 0.375 N`` bytes versus ``2 N`` for fp16,
+i.e. 18.75% of the fp16 footprint.
+
+``quantize`` dispatches to a fused Triton kernel (group min/max, scale, codes
+and packing in one pass) for CUDA tensors or when ``KVSTACK_KERNELS=triton``, and
+to the torch reference otherwise (see :mod:`kvstack.kernels.dispatch`).
+Dequantization has only a torch implementation (it is a cheap elementwise op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from kvstack.kernels.dispatch import use_triton
+
+try:  # Triton is optional (Linux only); the torch path never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+__all__ = [
+    "PACK_FACTOR",
+    "AXES",
+    "SUPPORTED_DTYPES",
+    "QuantizedGroups",
+    "pack_codes",
+    "unpack_codes",
+    "quantize",
+    "dequantize",
+    "quantize_reference",
+    "dequantize_reference",
+    "quantize_triton",
+]
+
+PACK_FACTOR = {2: 4, 4: 2, 8: 1}
+AXES = ("token", "channel")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Largest |x| for which mx - mn cannot overflow float32 (2 * 2**127 rounds to inf).
+_RANGE_SAFE_ABS = 2.0**127
+
+
+# --------------------------------------------------------------------------- #
+# validation
+# --------------------------------------------------------------------------- #
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in PACK_FACTOR:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {sorted(PACK_FACTOR)}")
+    return PACK_FACTOR[bits]
+
+
+def _check_axis(axis) -> None:
+    if axis not in AXES:
+        raise ValueError(f"axis={axis!r} is not supported; allowed: {list(AXES)}")
+
+
+def _check_quant_args(x: torch.Tensor, bits: int, group_size: int, axis: str) -> int:
+    """Validate quantize() arguments; returns the pack factor."""
+    pf = _check_bits(bits)
+    _check_axis(axis)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape [B, H, T, D]; got {x.dim()} dims, shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"x dtype {x.dtype} is not supported; allowed: float32, float16, bfloat16"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size={group_size!r} must be a positive int")
+    if group_size % pf != 0:
+        raise ValueError(
+            f"group_size={group_size} is not a multiple of the pack factor {pf} for bits={bits} "
+            f"(codes are packed {pf} per byte along the {axis} axis; groups may not share bytes)"
+        )
+    if axis == "token":
+        n, what = x.shape[2], "token count"
+    else:
+        n, what = x.shape[3], "head_dim"
+    if n % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} does not divide the {what} {n} "
+            f"(axis={axis!r} groups span {group_size} consecutive "
+            f"{'tokens' if axis == 'token' else 'channels'})"
+        )
+    return pf
+
+
+def _check_finite(x: torch.Tensor) -> bool:
+    """Raise on NaN/Inf. Returns True when values are large enough that a group
+    range could overflow float32 (caller must then check the scale).
+
+    One reduction + one host sync covers both checks in the common case.
+    """
+    amax = x.detach().abs().amax().float().item()
+    if amax != amax or amax == float("inf"):
+        bad = int((~torch.isfinite(x)).sum().item())
+        raise ValueError(
+            f"cannot quantize non-finite values: {bad} NaN/Inf found in input of shape "
+            f"{tuple(x.shape)} (dtype {x.dtype})"
+        )
+    return amax >= _RANGE_SAFE_ABS
+
+
+def _check_scale_finite(scale: torch.Tensor) -> None:
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(
+            "cannot quantize: a group's range (max - min) overflows float32; values beyond "
+            "about +-1.7e38 cannot be quantized"
+        )
+
+
+def _smallest_subnormal(dtype: torch.dtype) -> float:
+    fi = torch.finfo(dtype)
+    return float(fi.tiny * fi.eps)  # 2**-24 fp16, 2**-133 bf16, 2**-149 fp32
+
+
+# --------------------------------------------------------------------------- #
+# bit packing
+# --------------------------------------------------------------------------- #
+def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Pack uint8 codes (< 2**bits) along ``dim``; that dim shrinks by ``8 // bits``.
+
+    Code ``i`` of each run of ``8 // bits`` consecutive codes goes to bits
+    ``[i*bits, (i+1)*bits)`` of the output byte.
+    """
+    pf = _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if codes.dim() == 0:
+        raise ValueError("codes must have at least one dimension")
+    dim = dim % codes.dim()
+    n = codes.shape[dim]
+    if n % pf != 0:
+        raise ValueError(
+            f"size {n} of codes along dim {dim} is not divisible by the pack factor {pf} "
+            f"for bits={bits}"
+        )
+    if bits < 8 and codes.numel() and bool((codes >> bits).any()):
+        raise ValueError(f"codes must be < 2**bits = {1 << bits} for bits={bits}")
+    if pf == 1:
+        return codes.clone()
+    c = codes.movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], n // pf, pf)
+    out = c[..., 0].clone()
+    for i in range(1, pf):
+        out |= c[..., i] << (i * bits)
+    return out.movedim(-1, dim).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`; ``dim`` grows by ``8 // bits``."""
+    pf = _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    if packed.dim() == 0:
+        raise ValueError("packed must have at least one dimension")
+    dim = dim % packed.dim()
+    if pf == 1:
+        return packed.clone()
+    p = packed.movedim(dim, -1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # [pf]
+    mask = (1 << bits) - 1
+    c = (p.unsqueeze(-1) >> shifts) & mask  # [..., n, pf]
+    c = c.reshape(*p.shape[:-1], p.shape[-1] * pf)
+    return c.movedim(-1, dim).contiguous()
+
+
+# --------------------------------------------------------------------------- #
+# container
+# --------------------------------------------------------------------------- #
+@dataclass
+class QuantizedGroups:
+    """One quantized block of a ``[B, H, T, D]`` tensor (layout: module docstring)."""
+
+    packed: torch.Tensor  # uint8
+    scale: torch.Tensor  # input dtype
+    zero: torch.Tensor  # input dtype (group minimum)
+    bits: int
+    group_size: int
+    axis: str  # "token" (keys, per-channel) or "channel" (values, per-token)
+    shape: tuple[int, ...]  # original [B, H, T, D]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.shape[2])
+
+    @property
+    def packed_dim(self) -> int:
+        """Dimension of ``packed`` along which codes are packed."""
+        return 2 if self.axis == "token" else 3
+
+    def nbytes(self) -> int:
+        """Bytes held: packed codes + scale + zero."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+    def index_select(self, index: torch.Tensor) -> "QuantizedGroups":
+        """Select along the batch dim (dim 0), e.g. to reorder beams."""
+        index = index.to(self.device)
+        return replace(
+            self,
+            packed=self.packed.index_select(0, index),
+            scale=self.scale.index_select(0, index),
+            zero=self.zero.index_select(0, index),
+            shape=(int(index.numel()),) + tuple(self.shape[1:]),
+        )
+
+    def slice_tokens(self, start: int, stop: int) -> "QuantizedGroups":
+        """Tokens ``[start, stop)``. For ``axis="token"`` both ends must sit on group
+        boundaries (a group's scale covers all its tokens)."""
+        T = self.num_tokens
+        start, stop, _ = slice(start, stop).indices(T)
+        stop = max(stop, start)
+        if self.axis == "token":
+            G = self.group_size
+            if start % G or stop % G:
+                raise ValueError(
+                    f"slice_tokens({start}, {stop}) on axis='token' data must be aligned to "
+                    f"group_size {G}"
+                )
+            pf = PACK_FACTOR[self.bits]
+            packed = self.packed[:, :, start // pf: stop // pf]
+            scale = self.scale[:, :, start // G: stop // G]
+            zero = self.zero[:, :, start // G: stop // G]
+        else:
+            packed = self.packed[:, :, start:stop]
+            scale = self.scale[:, :, start:stop]
+            zero = self.zero[:, :, start:stop]
+        shape = tuple(self.shape[:2]) + (stop - start,) + tuple(self.shape[3:])
+        return replace(self, packed=packed, scale=scale, zero=zero, shape=shape)
+
+    @classmethod
+    def cat_tokens(cls, items: Sequence["QuantizedGroups"]) -> "QuantizedGroups":
+        """Concatenate blocks along the token axis (same bits/group/axis/B/H/D)."""
+        if not items:
+            raise ValueError("cat_tokens needs at least one block")
+        first = items[0]
+        for q in items[1:]:
+            if (q.bits, q.group_size, q.axis) != (first.bits, first.group_size, first.axis) or (
+                tuple(q.shape[:2]) + tuple(q.shape[3:])
+                != tuple(first.shape[:2]) + tuple(first.shape[3:])
+            ):
+                raise ValueError("cat_tokens: blocks differ in bits/group_size/axis or B/H/D")
+        T = sum(q.num_tokens for q in items)
+        return replace(
+            first,
+            packed=torch.cat([q.packed for q in items], dim=2),
+            scale=torch.cat([q.scale for q in items], dim=2),
+            zero=torch.cat([q.zero for q in items], dim=2),
+            shape=tuple(first.shape[:2]) + (T,) + tuple(first.shape[3:]),
+        )
+
+    def to(self, device) -> "QuantizedGroups":
+        return replace(
+            self,
+            packed=self.packed.to(device),
+            scale=self.scale.to(device),
+            zero=self.zero.to(device),
+        )
+
+
+# --------------------------------------------------------------------------- #
+# torch reference
+# --------------------------------------------------------------------------- #
+def _grouped(t: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tensor, int]:
+    """View [B,H,T,D] as groups; returns (view, reduction dim)."""
+    B, H, T, D = t.shape
+    if axis == "token":
+        return t.reshape(B, H, T // group_size, group_size, D), 3
+    return t.reshape(B, H, T, D // group_size, group_size), 4
+
+
+def quantize_reference(x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantizedGroups:
+    """Plain-torch quantization (see module docstring for math and layout)."""
+    _check_quant_args(x, bits, group_size, axis)
+    maybe_overflow = _check_finite(x) if x.numel() else False
+    return _quantize_reference_unchecked(x, bits, group_size, axis, maybe_overflow)
+
+
+def _round_scale_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Smallest ``dtype`` value >= ``s32`` (non-negative), returned as float32.
+
+    Rounding the scale up (not to nearest) keeps ``(mx - mn) / s <= L``, so the top
+    of a group never needs clamping. With round-to-nearest, bf16's 8-bit mantissa
+    could shrink the scale by 2**-8 and the clamped max of an 8-bit group would be
+    off by ~255 * 2**-8 * s, i.e. a whole step instead of half of one.
+    """
+    if dtype == torch.float32:
+        return s32
+    itype = torch.int16
+    r = s32.to(dtype)  # round to nearest even
+    bump = (r.float() < s32).to(itype)
+    return (r.view(itype) + bump).view(dtype).float()
+
+
+def _quantize_reference_unchecked(x, bits, group_size, axis, maybe_overflow):
+    dtype = x.dtype
+    levels = (1 << bits) - 1
+    xg, red = _grouped(x.detach().float(), group_size, axis)
+    mn = xg.amin(dim=red, keepdim=True)
+    mx = xg.amax(dim=red, keepdim=True)
+    rng = mx - mn
+    # Tensor/tensor division: torch may turn division by a Python scalar into a
+    # multiply by the reciprocal (on CUDA), which would break bit-exactness.
+    s = _round_scale_up(rng / torch.full_like(rng, float(levels)), dtype)
+    s = torch.where((s == 0) & (rng > 0), torch.full_like(s, _smallest_subnormal(dtype)), s)
+    if maybe_overflow:
+        _check_scale_finite(s)
+    pos = s > 0
+    v = (xg - mn) / torch.where(pos, s, torch.ones_like(s))
+    codes = torch.floor(v + 0.5).clamp_(0, levels)
+    codes = torch.where(pos, codes, torch.zeros_like(codes)).to(torch.uint8)
+    codes = codes.reshape(x.shape)
+    packed = pack_codes(codes, bits, dim=2 if axis == "token" else 3)
+    return QuantizedGroups(
+        packed=packed,
+        scale=s.squeeze(red).to(dtype),
+        zero=mn.squeeze(red).to(dtype),
+        bits=bits,
+        group_size=group_size,
+        axis=axis,
+        shape=tuple(x.shape),
+    )
+
+
+def dequantize_reference(q: QuantizedGroups, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain-torch dequantization: ``code * scale + zero`` in float32, then cast."""
+    _check_bits(q.bits)
+    _check_axis(q.axis)
+    out_dtype = dtype or q.scale.dtype
+    codes = unpack_codes(q.packed, q.bits, dim=q.packed_dim).float()
+    cg, red = _grouped(codes, q.group_size, q.axis)
+    s = q.scale.float().unsqueeze(red)
+    z = q.zero.float().unsqueeze(red)
+    return (cg * s + z).reshape(q.shape).to(out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# Triton kernel
+# --------------------------------------------------------------------------- #
+def _quant_pack_kernel_fn(
+    x_ptr, packed_ptr, scale_ptr, zero_ptr,
+    inner,  # groups per outer row
+    n_iblocks,  # cdiv(inner, BLOCK_I)
+    xs_o, xs_r, xs_i,  # x strides: outer row, position inside group, inner index
+    ps_o, ps_k, ps_i,  # packed strides: outer row, byte inside group, inner index
+    tiny,  # smallest positive value of the storage dtype (scale underflow guard)
+    BITS: tl.constexpr, PF: tl.constexpr, KG: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
+    STORE_BF16: tl.constexpr, STORE_FP16: tl.constexpr,
+):
+    # The tensor is viewed as [outer, G, inner]; one program handles one row block
+    # (BLOCK_I groups of one outer row). Group element r = k * PF + p lands in byte
+    # k, bits [p*BITS, (p+1)*BITS); loading per p lets us OR codes without reshapes.
+    # 1-D grid: CUDA caps grid dims 1/2 at 65535.
+    pid = tl.program_id(0).to(tl.int64)
+    o = pid // n_iblocks
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_i = (pid % n_iblocks) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < inner
+    mask = (offs_k < KG)[:, None] & mask_i[None, :]
+    x_base = x_ptr + o * xs_o + offs_i[None, :] * xs_i
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+
+    mn = tl.full([BLOCK_I], float("inf"), tl.float32)
+    mx = tl.full([BLOCK_I], float("-inf"), tl.float32)
+    for p in tl.static_range(PF):
+        xv = tl.load(x_base + (offs_k * PF + p)[:, None] * xs_r, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.minimum(mn, tl.min(tl.where(mask, xv, float("inf")), axis=0))
+        mx = tl.maximum(mx, tl.max(tl.where(mask, xv, float("-inf")), axis=0))
+    mn = tl.where(mask_i, mn, 0.0)  # keep padding lanes finite
+    mx = tl.where(mask_i, mx, 0.0)
+
+    rng = mx - mn
+    s32 = tl.div_rn(rng, tl.full([BLOCK_I], LEVELS, tl.float32))
+    # Round the scale UP to the storage dtype (see _round_scale_up), by bit tricks.
+    if STORE_BF16:
+        # bf16 is the top half of fp32: ceil = add 0xFFFF and truncate. (Also avoids
+        # the interpreter's fp32->bf16 cast, which truncates instead of rounding.)
+        b = s32.to(tl.int32, bitcast=True)
+        s = ((b + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+    elif STORE_FP16:
+        h = s32.to(tl.float16)  # round to nearest even
+        hb = h.to(tl.int16, bitcast=True) + (h.to(tl.float32) < s32).to(tl.int16)
+        s = hb.to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        s = s32
+    s = tl.where((s == 0.0) & (rng > 0.0), tiny, s)
+    pos = s > 0.0
+    safe = tl.where(pos, s, 1.0)
+
+    sz_off = o * inner + offs_i
+    tl.store(scale_ptr + sz_off, s.to(scale_ptr.dtype.element_ty), mask=mask_i)
+    tl.store(zero_ptr + sz_off, mn.to(zero_ptr.dtype.element_ty), mask=mask_i)
+
+    acc = tl.zeros([BLOCK_K, BLOCK_I], tl.int32)
+    for p in tl.static_range(PF):
+        xv = tl.load(x_base + (offs_k * PF + p)[:, None] * xs_r, mask=mask, other=0.0).to(tl.float32)
+        v = tl.div_rn(xv - mn[None, :], safe[None, :])
+        c = tl.floor(v + 0.5)
+        c = tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0)
+        c = tl.where(pos[None, :], c, 0.0)
+        acc = acc | (c.to(tl.int32) << (p * BITS))
+    p_off = o * ps_o + offs_k[:, None] * ps_k + offs_i[None, :] * ps_i
+    tl.store(packed_ptr + p_off, acc.to(tl.uint8), mask=mask)
+
+
+_KERNELS: dict = {}
+
+
+def _get_kernel():
+    # JIT lazily and per interpreter mode: triton.jit decides at decoration time
+    # whether to build an interpreted function (TRITON_INTERPRET=1), so decorating
+    # at import would freeze whatever the environment was when kvstack was imported.
+    if triton is None:
+        raise RuntimeError("the Triton quantize kernel needs the 'triton' package")
+    interp = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+    if interp not in _KERNELS:
+        _KERNELS[interp] = triton.jit(_quant_pack_kernel_fn)
+    return _KERNELS[interp]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def quantize_triton(x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantizedGroups:
+    """Fused Triton quantize-and-pack; same results as :func:`quantize_reference`."""
+    pf = _check_quant_args(x, bits, group_size, axis)
+    maybe_overflow = _check_finite(x) if x.numel() else False
+    x = x.detach().contiguous()
+    B, H, T, D = x.shape
+    G, KG = group_size, group_size // pf
+    if axis == "token":
+        outer, inner = B * H * (T // G), D
+        x_strides, p_strides = (G * D, D, 1), (KG * D, D, 1)
+        packed = torch.empty((B, H, T // pf, D), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((B, H, T // G, D), dtype=x.dtype, device=x.device)
+    else:
+        # Channel groups are contiguous runs of G elements, so all B*H*T*D/G groups
+        # form one long "row" (no per-token programs: few, wide programs instead).
+        outer, inner = 1, B * H * T * (D // G)
+        x_strides, p_strides = (0, 1, G), (0, 1, KG)
+        packed = torch.empty((B, H, T, D // pf), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((B, H, T, D // G), dtype=x.dtype, device=x.device)
+    zero = torch.empty_like(scale)
+    if outer > 0 and inner > 0:
+        BLOCK_K = _next_pow2(KG)
+        # Cap each loaded sub-tile at ~4096 elements.
+        BLOCK_I = min(_next_pow2(inner), max(1, 4096 // BLOCK_K))
+        n_iblocks = triton.cdiv(inner, BLOCK_I)
+        _get_kernel()[(outer * n_iblocks,)](
+            x, packed, scale, zero,
+            inner, n_iblocks, *x_strides, *p_strides,
+            _smallest_subnormal(x.dtype),
+            BITS=bits, PF=pf, KG=KG, BLOCK_K=BLOCK_K, BLOCK_I=BLOCK_I,
+            STORE_BF16=x.dtype == torch.bfloat16, STORE_FP16=x.dtype == torch.float16,
+        )
+    if maybe_overflow:
+        _check_scale_finite(scale)
+    return QuantizedGroups(packed, scale, zero, bits, group_size, axis, tuple(x.shape))
+
+
+# --------------------------------------------------------------------------- #
+# dispatchers
+# --------------------------------------------------------------------------- #
+def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantizedGroups:
+    """Quantize ``x`` ``[B, H, T, D]`` in groups of ``group_size`` along ``axis``.
+
+    Uses the Triton kernel for CUDA tensors (or ``KVSTACK_KERNELS=triton``), the
+    torch reference otherwise. Raises ``ValueError`` for bad arguments and
+    non-finite input (details in the module docstring).
+    """
+    if isinstance(x, torch.Tensor) and use_triton(x):
+        return quantize_triton(x, bits, group_size, axis)
+    return quantize_reference(x, bits, group_size, axis)
+
+
+def dequantize(q: QuantizedGroups, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Back to ``[B, H, T, D]`` in ``q``'s dtype (or ``dtype``). Torch only."""
+    return dequantize_reference(q, dtype)

@@ -1,0 +1,137 @@
+"""One call: ``kvstack.apply(model, preset)`` prepares a model so that ``generate`` uses a composed cache.
+
+``apply`` validates the spec against the model's config before touching anything, performs model-surgery stages,
+installs the stack's attention function and wraps ``model.generate`` (an instance attribute, so ``remove`` restores
+the class method) to pass a fresh :class:`KVStackCache` unless the caller passes a cache. On any failure every change
+is undone: a failed ``apply`` leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import attention
+from .cache import KVStackCache
+from .errors import CacheUsageError, SpecError
+from .shape import ModelShape
+from .spec import StackSpec
+
+APPLIED_ATTR = "_kvstack_applied"
+
+
+@dataclass
+class Applied:
+    spec: StackSpec
+    shape: ModelShape
+    original_attn: Any
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+
+def cache_kwarg(model) -> str:
+    """The name a model's forward and generate take the cache under: ``cache`` (5.24+) or ``past_key_values``."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibration: Any = None):
+    """Prepare ``model`` to run with the stack ``preset`` (name, YAML path or text, dict or :class:`StackSpec`).
+
+    Returns the model. Applying again replaces the previous stack (its surgery is undone first).
+    """
+    spec = StackSpec.load(preset)
+    shape = ModelShape.from_model(model)
+    spec.validate_for(shape)
+    if getattr(model, APPLIED_ATTR, None) is not None:
+        remove(model)
+
+    attention.register()
+    state = Applied(spec=spec, shape=shape, original_attn=model.config._attn_implementation)
+    try:
+        for stage in spec.model_stages:
+            undo = stage.prepare_model(model, calibration)
+            if undo is not None:
+                state.undo.append(undo)
+        state.shape = ModelShape.from_model(model)  # surgery may change heads/dims
+        model.set_attn_implementation(attention.ATTN_NAME)
+        if model.config._attn_implementation != attention.ATTN_NAME:
+            raise SpecError(f"{type(model).__name__} does not accept a custom attention function")
+        model.generate = _wrap_generate(model, model.generate)
+        setattr(model, APPLIED_ATTR, state)
+    except BaseException:
+        _restore(model, state)
+        raise
+    return model
+
+
+def _restore(model, state: Applied) -> None:
+    model.__dict__.pop("generate", None)
+    if hasattr(model, APPLIED_ATTR):
+        delattr(model, APPLIED_ATTR)
+    if model.config._attn_implementation != state.original_attn:
+        model.set_attn_implementation(state.original_attn)
+    for undo in reversed(state.undo):
+        undo()
+
+
+def remove(model) -> None:
+    """Restore the model's original attention, ``generate`` and (where stages allow) weights."""
+    state = getattr(model, APPLIED_ATTR, None)
+    if state is None:
+        raise CacheUsageError("remove: this model was not prepared with kvstack.apply")
+    _restore(model, state)
+
+
+@contextlib.contextmanager
+def applied(model, preset="identity", calibration: Any = None):
+    """``with kvstack.applied(model, "streaming"): model.generate(...)`` — removed again on exit."""
+    apply(model, preset, calibration)
+    try:
+        yield model
+    finally:
+        remove(model)
+
+
+def cache_for(model, spec: "StackSpec | dict | str | Path | None" = None) -> KVStackCache:
+    """A fresh cache for manual loops: ``model(ids, cache=cache)`` (``past_key_values=`` before 5.24).
+
+    ``spec`` defaults to the stack the model was prepared with; another spec may be given as long as its
+    model-surgery stages are the ones applied.
+    """
+    state: Applied | None = getattr(model, APPLIED_ATTR, None)
+    if state is None:
+        raise CacheUsageError(
+            "cache_for: the model is not prepared; call kvstack.apply(model, preset) first (it installs the attention "
+            "function the cache needs)"
+        )
+    if spec is None:
+        return KVStackCache(state.spec, state.shape)
+    spec = StackSpec.load(spec)
+    if spec.model_stages != state.spec.model_stages:
+        raise SpecError(
+            "cache_for: the spec's model-surgery stages "
+            f"{[s.kind for s in spec.model_stages]} differ from those applied "
+            f"{[s.kind for s in state.spec.model_stages]}; call kvstack.apply(model, spec) instead"
+        )
+    spec.validate_for(state.shape)
+    return KVStackCache(spec, state.shape)
+
+
+def _wrap_generate(model, generate):
+    name = cache_kwarg(model)
+
+    @functools.wraps(generate)
+    def generate_with_stack(*args, **kwargs):
+        if kwargs.get("use_cache") is False:
+            raise CacheUsageError("generate(use_cache=False) cannot run a kvstack-prepared model; drop use_cache")
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            kwargs.pop("cache", None)
+            kwargs.pop("past_key_values", None)
+            kwargs[name] = cache_for(model)
+        return generate(*args, **kwargs)
+
+    return generate_with_stack

@@ -1,0 +1,226 @@
+"""The stack's attention function: one softmax over every tier of a layer, masks from stored positions.
+
+For the queries of one forward (``Q`` tokens, ``G`` query heads per KV head) and each exact tier ``t`` with logits
+``l_t = s * q.k`` (softcapped when the model asks), masked where a stored position is empty, in the future, or outside
+the sliding window, and the state tier's log-denominator ``l_s = log(phi(q)^T z)`` with value readout ``u_s``:
+
+    m   = max(max_t max l_t, l_s)                       (one stabiliser for everything)
+    den = sum_t sum exp(l_t - m) + exp(l_s - m)
+    out = (sum_t exp(l_t - m) @ V_t + exp(l_s - m) * u_s) / den
+
+i.e. an exact log-sum-exp merge of the tiers under ONE normaliser. Queries whose every key is masked (left padding)
+get a zero output, never NaN. The function also hands the normalised per-key weights to the stages that score with
+attention (H2O, TOVA, SnapKV, OBCache) through :class:`AttentionStats` — no stage ever switches the model to eager
+attention or builds its own attention matrix.
+
+Registered with transformers as ``"kvstack"`` in ``AttentionInterface`` and, as a mask function, in
+``AttentionMaskInterface``: the mask function does not build a mask at all, it passes the 2-D padding mask through
+(:class:`StackMask`), because positions, not lengths, decide visibility.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .cache import ACTIVE_LAYER, StackLayer
+from .errors import CacheUsageError
+
+ATTN_NAME = "kvstack"
+
+
+@dataclass(frozen=True)
+class StackMask:
+    """What the mask interface hands to the attention function: the 2-D padding mask ([B, tokens seen], True = real
+    token) or None. Causality and windows come from stored positions."""
+
+    padding: torch.Tensor | None
+
+
+def stack_mask(*, attention_mask=None, **_ignored) -> StackMask:
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise CacheUsageError(
+            f"kvstack needs a 2-D padding attention_mask [batch, tokens seen]; got shape {tuple(attention_mask.shape)}"
+        )
+    return StackMask(None if attention_mask is None else attention_mask.to(torch.bool))
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """What a stage wants from the attention of the current forward.
+
+    ``mass_windows``: for each entry w, the attention weight every stored key received, summed over the last w
+    queries of the forward (None: all of them), per query head.
+    """
+
+    mass_windows: tuple[int | None, ...] = ()
+    keep_query: bool = False
+
+
+@dataclass
+class AttentionStats:
+    """By-products of one layer's attention, for the stages' ``after_attention``.
+
+    ``weights[i]`` are the normalised attention weights on exact tier i, [B, Hkv, G, Q, T_i] (the torch path keeps
+    them only when a stage asked); ``mass(i, w)`` reduces them; ``query`` is the post-RoPE query [B, Hq, Q, D] when
+    asked; ``query_positions`` [Q] the absolute positions of the queries.
+    """
+
+    query_positions: torch.Tensor
+    num_queries: int
+    weights: list[torch.Tensor | None] = field(default_factory=list)
+    query: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+
+    def mass(self, tier_index: int, window: int | None = None) -> torch.Tensor:
+        """[B, Hq, T_i]: weight each key of tier ``tier_index`` received, summed over the last ``window`` queries."""
+        w = self.weights[tier_index]
+        if w is None:
+            raise CacheUsageError("attention weights were not kept: the stage must ask for them in attention_request")
+        if window is not None:
+            w = w[..., -window:, :]
+        b, h, g, _, t = w.shape
+        return w.sum(-2).reshape(b, h * g, t)
+
+
+def _merge_requests(layer: StackLayer, query_length: int) -> StatsRequest:
+    windows: set[int | None] = set()
+    keep_query = False
+    for stage in layer.stages:
+        req = stage.attention_request(layer, query_length)
+        if req is not None:
+            windows.update(req.mass_windows)
+            keep_query = keep_query or req.keep_query
+    return StatsRequest(tuple(windows), keep_query)
+
+
+def _new_token_validity(mask, layer: StackLayer, batch: int, q_len: int) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        raise CacheUsageError(
+            "kvstack attention received a prepared tensor mask; pass a 2-D attention_mask (or none) so kvstack can "
+            "build masks from token positions (custom 4-D masks are not supported)"
+        )
+    padding = mask.padding
+    if padding is None:
+        return None
+    if padding.shape[-1] != layer.seen:
+        raise CacheUsageError(
+            f"attention_mask has {padding.shape[-1]} columns but layer {layer.layer_idx} has seen {layer.seen} "
+            "tokens including this call; pass the mask of every token seen so far (as generate does)"
+        )
+    new_valid = padding[:, -q_len:]
+    return None if bool(new_valid.all()) else new_valid
+
+
+def stack_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    layer = ACTIVE_LAYER.get()
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer is None or not layer.awaiting_attention or layer.layer_idx != layer_idx:
+        raise CacheUsageError(
+            f"kvstack attention on layer {layer_idx} found no KVStackCache update for it: run the model with "
+            "use_cache and a KVStackCache (kvstack.apply makes generate do this; kvstack.cache_for(model) for "
+            "manual loops)"
+        )
+    ACTIVE_LAYER.set(None)
+    if dropout and module.training:
+        raise CacheUsageError("kvstack attention is for inference: attention dropout must be 0 (call model.eval())")
+
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if q_heads % kv_heads:
+        raise CacheUsageError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    group = q_heads // kv_heads  # from the shapes, not the module: GQA conversion changes it
+    scaling = head_dim**-0.5 if scaling is None else scaling
+
+    new_valid = _new_token_validity(attention_mask, layer, batch, q_len)
+    if new_valid is not None:
+        layer.mark_padding(new_valid)
+    request = _merge_requests(layer, q_len)
+
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # [B, Hq, Q, D] -> [B, Hkv, G*Q, D]: query head h*G+g reads KV head h (transformers' repeat_kv order)
+    q = query.to(compute).reshape(batch, kv_heads, group * q_len, head_dim)
+    q_pos = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
+    q_pos_rows = q_pos.repeat(group)  # [G*Q] matching q's row order
+
+    logits: list[torch.Tensor | None] = []
+    for tier in layer.tiers:
+        if tier.num_tokens == 0:
+            logits.append(None)
+            continue
+        lg = tier.logits(q, scaling)
+        if softcap:
+            lg = torch.tanh(lg / softcap) * softcap
+        pos = tier.positions[:, :, None, :]  # [B, Hp, 1, T]
+        visible = (pos >= 0) & (pos <= q_pos_rows[None, None, :, None])
+        if sliding_window:
+            visible = visible & (pos > q_pos_rows[None, None, :, None] - sliding_window)
+        logits.append(lg.masked_fill(~visible, -math.inf))
+
+    state_part = layer.state.readout(q, scaling) if layer.state is not None else None
+
+    maxima = [lg.amax(-1) for lg in logits if lg is not None]
+    if state_part is not None:
+        maxima.append(state_part[0])
+    if not maxima:
+        raise CacheUsageError(f"layer {layer.layer_idx} holds no tokens to attend to")
+    m = torch.stack(maxima).amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked rows
+
+    numerator = q.new_zeros(batch, kv_heads, group * q_len, value.shape[-1])
+    denominator = q.new_zeros(batch, kv_heads, group * q_len)
+    exps: list[torch.Tensor | None] = []
+    for tier, lg in zip(layer.tiers, logits):
+        if lg is None:
+            exps.append(None)
+            continue
+        e = torch.exp(lg - m[..., None])
+        denominator = denominator + e.sum(-1)
+        numerator = numerator + tier.mix(e)
+        exps.append(e)
+    if state_part is not None:
+        log_den, readout = state_part
+        e_state = torch.exp(log_den - m)
+        denominator = denominator + e_state
+        numerator = numerator + e_state[..., None] * readout.to(compute)
+
+    safe = denominator.clamp_min(torch.finfo(compute).tiny)
+    out = torch.where(denominator[..., None] > 0, numerator / safe[..., None], torch.zeros_like(numerator))
+
+    stats = AttentionStats(query_positions=q_pos, num_queries=q_len)
+    if request.mass_windows:
+        for e in exps:
+            stats.weights.append(
+                None if e is None else (e / safe[..., None]).reshape(batch, kv_heads, group, q_len, e.shape[-1])
+            )
+    if request.keep_query:
+        stats.query = query
+        stats.output = out.reshape(batch, q_heads, q_len, -1)
+    layer.finish_forward(stats)
+
+    # [B, Hkv, G*Q, Dv] -> [B, Q, Hq, Dv] as transformers expects
+    out = out.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    return out, None
+
+
+def register() -> None:
+    """Register the attention and mask functions under the name ``"kvstack"`` (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, stack_attention)
+    AttentionMaskInterface.register(ATTN_NAME, stack_mask)

@@ -1,0 +1,100 @@
+"""What a stage is: a typed spec (validated, serialisable) and the behaviour it contributes to each cache layer.
+
+A stage file in ``kvstack/stages/`` defines a ``StageSpec`` subclass with a unique ``kind`` literal, decorates it with
+``@register_stage``, and implements whichever hooks it needs. The stack calls them in spec order:
+
+* ``validate_for(shape)`` — before anything is touched; raise :class:`SpecError` naming the model's dimension.
+* ``prepare_model(model, calibration)`` — model surgery stages only (GQA conversion, static channel pruning).
+* ``plan_memory(plan)`` — transform the analytic :class:`MemoryPlan` (the bound property tests check).
+* ``build(shape)`` -> :class:`Stage` — the runtime object shared by all layers of one cache.
+
+Runtime hooks of :class:`Stage` (per layer): ``init_layer`` (add tiers/state), ``attention_request`` (ask the
+attention function for per-key statistics) and ``after_attention`` (compress: evict, demote, fold).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cache import StackLayer
+    from .memory import MemoryPlan
+    from .shape import ModelShape
+    from .attention import AttentionStats, StatsRequest
+
+
+class Budget(BaseModel):
+    """How much a compressing stage may keep: ``tokens`` per layer and KV head, or ``ratio`` — a fraction of the
+    memory an uncompressed cache (model dtype) would hold at the same token count."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int | None = Field(default=None, ge=1, description="Tokens kept per layer and KV head.")
+    ratio: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="Memory ratio of the full cache at the same token count."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Budget":
+        if (self.tokens is None) == (self.ratio is None):
+            raise ValueError(
+                f"budget must set exactly one of 'tokens' (int >= 1) or 'ratio' (0 < r <= 1); "
+                f"got tokens={self.tokens}, ratio={self.ratio}"
+            )
+        return self
+
+
+class StageSpec(BaseModel):
+    """Base of every stage spec. Subclasses declare ``kind: Literal["..."]`` and their parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    #: model-surgery stages change the model's weights/config in ``kvstack.apply`` (they cannot be undone by remove)
+    modifies_model: ClassVar[bool] = False
+
+    def validate_with(self, stack_budget: Budget | None) -> None:
+        """Checks that need the stack-wide budget but no model (run when the spec is loaded)."""
+
+    def validate_for(self, shape: "ModelShape", stack_budget: Budget | None) -> None:
+        """Raise :class:`SpecError` if this stage cannot run on a model of this shape."""
+
+    def prepare_model(self, model: Any, calibration: Any = None) -> "Callable[[], None] | None":
+        """Model surgery (only for ``modifies_model`` stages). Return a callable that undoes it: ``kvstack.remove``
+        and a failed ``kvstack.apply`` call it so the model is never left half-patched."""
+        return None
+
+    def plan_memory(self, plan: "MemoryPlan", stack_budget: Budget | None) -> None:
+        """Transform the analytic plan to what this stage guarantees."""
+
+    def build(self, shape: "ModelShape", stack_budget: Budget | None) -> "Stage | None":
+        """Runtime behaviour for one cache; None for stages that act only on the model."""
+        return None
+
+
+class Stage:
+    """Runtime behaviour of one stage inside one cache (shared by its layers; per-layer data lives on the layer)."""
+
+    def __init__(self, spec: StageSpec, shape: "ModelShape", stack_budget: Budget | None):
+        self.spec = spec
+        self.shape = shape
+        self.stack_budget = stack_budget
+
+    def init_layer(self, layer: "StackLayer") -> None:
+        """Called once per layer when the cache is created: add tiers, state, per-layer bookkeeping."""
+
+    def attention_request(self, layer: "StackLayer", query_length: int) -> "StatsRequest | None":
+        """Statistics this stage needs from the attention of the current forward (None: none)."""
+        return None
+
+    def after_attention(self, layer: "StackLayer", stats: "AttentionStats") -> None:
+        """Compress the layer after its attention ran (the only place tokens may leave a tier)."""
+
+
+def spec_error(field: str, value: Any, allowed: str) -> SpecError:
+    """A uniform message: which field, what it was, what is allowed."""
+    return SpecError(f"{field}={value!r} is not allowed: {allowed}")

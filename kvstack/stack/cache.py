@@ -1,0 +1,263 @@
+"""``KVStackCache``: one transformers ``Cache`` whose layers hold their tokens in tiers.
+
+Data flow of one forward through one layer::
+
+    new k, v ──► StackLayer.update ──► full tier (+ absolute positions) ──► returns stored+new for the queries
+                                                                              │
+             stack attention (one softmax over every tier + low-rank state) ◄─┘
+                                                                              │
+             StackLayer.finish_forward: sliding-window drop, then each stage's after_attention
+             (evict / demote to a quantized tier / fold into the state) ◄─────┘
+
+Contracts with transformers (see docs/architecture.md): ``get_seq_length`` counts tokens SEEN, not kept;
+``update`` returns everything the current queries need and nothing is removed before attention ran; masks are
+built by the stack's attention function from stored positions, never from lengths.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .errors import CacheUsageError
+from .memory import POSITION_DTYPE
+from .shape import ModelShape
+from .tiers import EMPTY, ExactTier, FullTier, StateTier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .attention import AttentionStats
+    from .base import Stage
+    from .spec import StackSpec
+
+#: The layer whose ``update`` just ran; the attention call of the same layer follows in the same forward and takes it.
+ACTIVE_LAYER: ContextVar["StackLayer | None"] = ContextVar("kvstack_active_layer", default=None)
+
+
+class StackLayer(CacheLayerMixin):
+    """One decoder layer's cache: ordered exact tiers (``tiers[0]`` is the full-precision tier) + optional state."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, shape: ModelShape, stages: list["Stage"]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.shape = shape
+        self.window = shape.layer_windows[layer_idx]
+        self.is_sliding = self.window is not None
+        self.seen = 0
+        self.full = FullTier()
+        self.tiers: list[ExactTier] = [self.full]
+        self.state: StateTier | None = None
+        self.stages = stages
+        self.awaiting_attention = False
+        self.scratch: dict[str, object] = {}  # per-layer data stages keep between steps (e.g. accumulated scores)
+        for stage in stages:
+            stage.init_layer(self)
+
+    # --------------------------------------------------------------- transformers layer contract
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.full.initialize(key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.awaiting_attention:
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: the previous forward did not run kvstack's attention. A KVStackCache needs "
+                "the model prepared with kvstack.apply(model, ...) (it installs the attention function that reads the "
+                "tiers); do not change model.config._attn_implementation afterwards."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        positions = torch.arange(self.seen, self.seen + n, dtype=POSITION_DTYPE, device=key_states.device)
+        self.full.append(key_states, value_states, positions.expand(key_states.shape[0], 1, n))
+        self.seen += n
+        self.awaiting_attention = True
+        ACTIVE_LAYER.set(self)
+        return self.full.keys, self.full.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # <= 5.3 passed cache_position (a tensor); the mask itself is rebuilt from positions by the attention function
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.seen + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # transformers <= 5.16 name
+
+    # ------------------------------------------------------------------------- tokens
+    def mark_padding(self, new_valid: torch.Tensor) -> None:
+        """new_valid [B, n] bool for the n tokens appended by the current forward: padding never becomes visible."""
+        n = new_valid.shape[-1]
+        pos = self.full.positions
+        tail = torch.where(new_valid[:, None, :], pos[..., -n:], torch.full_like(pos[..., -n:], EMPTY))
+        self.full.positions = torch.cat([pos[..., :-n], tail], dim=-1)
+
+    def finish_forward(self, stats: "AttentionStats") -> None:
+        """Runs right after this layer's attention: the only place tokens leave a tier."""
+        self.awaiting_attention = False
+        if self.window is not None:
+            self._drop_outside_window()
+        for stage in self.stages:
+            stage.after_attention(self, stats)
+
+    def _drop_outside_window(self) -> None:
+        # no future query of a sliding layer can see these: drop (never fold: the model would not attend to them)
+        oldest_needed = self.seen - self.window + 1
+        for tier in self.tiers:
+            if tier.num_tokens:
+                pos = tier.positions
+                keep = (pos >= oldest_needed) & (pos >= 0)
+                if not bool(keep.all()):
+                    self.retain(tier, keep, absorb=False)
+
+    def retain(self, tier: ExactTier, keep: torch.Tensor, absorb: bool = True) -> None:
+        """Physically keep only ``keep`` [B, Hi, T] of ``tier`` (Hi 1: same tokens for every head, or Hkv).
+
+        This is the one selection mechanism every eviction policy goes through. Rows are compacted to the largest
+        kept count (rectangular tensors); shorter rows get empty slots. Valid tokens that are dropped are folded
+        into the state tier when there is one (``absorb``), so nothing leaves the layer unaccounted.
+        """
+        keep = keep & tier.valid()
+        index, slot_valid = compaction_index(keep)
+        if absorb and self.state is not None:
+            dropped = tier.valid() & ~keep
+            if bool(dropped.any()):
+                d_index, d_valid = compaction_index(dropped)
+                k, v = tier.gather(d_index)
+                self.state.absorb(k, v, d_valid.expand(-1, k.shape[1], -1))
+        tier.select(index, slot_valid)
+
+    def kept_counts(self) -> torch.Tensor:
+        """[B, Hkv] number of real tokens held in the exact tiers of each row and head."""
+        total = 0
+        for tier in self.tiers:
+            if tier.num_tokens:
+                total = total + tier.valid().sum(-1).expand(-1, self.shape_heads())
+        if isinstance(total, int):
+            return torch.zeros(1, self.shape_heads(), dtype=torch.long)
+        return total
+
+    def shape_heads(self) -> int:
+        return self.full.keys.shape[1] if self.full.keys is not None else self.shape.num_kv_heads
+
+    def all_tiers(self):
+        return [*self.tiers, *([self.state] if self.state is not None else [])]
+
+    def memory_bytes(self) -> int:
+        return sum(t.memory_bytes() for t in self.all_tiers())
+
+    def memory_report(self) -> dict[str, int]:
+        report: dict[str, int] = {}
+        for t in self.all_tiers():
+            report[t.name] = report.get(t.name, 0) + t.memory_bytes()
+        return report
+
+    # ------------------------------------------------------------ batch-dim operations
+    def _map_batch(self, fn) -> None:
+        for t in self.all_tiers():
+            t.map_batch(fn)
+        for key, value in list(self.scratch.items()):
+            if isinstance(value, torch.Tensor):
+                self.scratch[key] = fn(value)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices])
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+    def reset(self) -> None:
+        stages = self.stages
+        self.__init__(self.layer_idx, self.shape, stages)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheUsageError(
+            "KVStackCache cannot be cropped (compressed tokens cannot be restored); assisted/speculative decoding "
+            "is not supported with kvstack"
+        )
+
+
+def compaction_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [B, Hi, T] -> (index [B, Hi, K] ascending per row, slot_valid [B, Hi, K]) with K = max kept per row."""
+    k = int(keep.sum(-1).max()) if keep.numel() else 0
+    # stable sort puts kept slots first, in their original order
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :k]
+    index, _ = torch.sort(order, dim=-1)
+    return index, keep.gather(-1, index)
+
+
+class KVStackCache(Cache):
+    """A transformers ``Cache`` composed from a :class:`~kvstack.StackSpec`: one :class:`StackLayer` per decoder layer.
+
+    Usually created for you: ``kvstack.apply(model, preset)`` makes ``model.generate`` use a fresh one, and
+    ``kvstack.cache_for(model)`` returns one for manual forward loops.
+    """
+
+    def __init__(self, spec: "StackSpec", shape: ModelShape):
+        self.spec = spec
+        self.shape = shape
+        stages = [s for s in (st.build(shape, spec.budget) for st in spec.stages) if s is not None]
+        super().__init__(layers=[StackLayer(i, shape, stages) for i in range(shape.num_layers)])
+
+    def __repr__(self) -> str:
+        return f"KVStackCache(spec={self.spec.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+
+    def memory_bytes(self) -> int:
+        """Sum of ``nbytes`` of every tensor the cache holds: keys, values, codes, scales, zero points, positions,
+        state. Nothing masked or zeroed is counted as saved."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def full_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of an uncompressed cache at the same number of tokens seen (batch included)."""
+        from .memory import full_cache_bytes
+
+        layer0 = self.layers[0]
+        batch = layer0.full.keys.shape[0] if layer0.is_initialized else 0
+        return full_cache_bytes(self.shape, self.get_seq_length(), batch=batch, dtype=dtype)
+
+    def memory_report(self) -> dict:
+        """Bytes by layer and by tier, the total, the uncompressed reference and their ratio."""
+        layers = [layer.memory_report() for layer in self.layers]
+        by_tier: dict[str, int] = {}
+        for rep in layers:
+            for name, nbytes in rep.items():
+                by_tier[name] = by_tier.get(name, 0) + nbytes
+        total = sum(by_tier.values())
+        full = self.full_bytes()
+        return {
+            "tokens_seen": self.get_seq_length(),
+            "total_bytes": total,
+            "full_cache_bytes": full,
+            "ratio": total / full if full else 0.0,
+            "by_tier": by_tier,
+            "by_layer": layers,
+        }
+
+    def kept_tokens(self) -> list[torch.Tensor]:
+        """Per layer, [B, Hkv] real tokens held in exact tiers."""
+        return [layer.kept_counts() for layer in self.layers]

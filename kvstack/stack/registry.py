@@ -1,0 +1,46 @@
+"""The registry of stage kinds: the only way the stack meets stages.
+
+Stages register themselves with :func:`register_stage`; :func:`stage_specs` imports every module of
+``kvstack.stages`` once (adding a stage is adding one file) and returns the registered spec classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TypeVar
+
+from .base import StageSpec
+
+_STAGES: dict[str, type[StageSpec]] = {}
+_loaded = False
+
+S = TypeVar("S", bound=type[StageSpec])
+
+
+def register_stage(cls: S) -> S:
+    """Class decorator: register a ``StageSpec`` subclass under its ``kind`` literal."""
+    kind_field = cls.model_fields.get("kind")
+    kind = kind_field.default if kind_field is not None else None
+    if not isinstance(kind, str):
+        raise TypeError(f"{cls.__name__} must declare kind: Literal['name'] = 'name'")
+    if kind in _STAGES and _STAGES[kind] is not cls:
+        raise TypeError(f"stage kind {kind!r} registered twice ({_STAGES[kind].__name__}, {cls.__name__})")
+    _STAGES[kind] = cls
+    return cls
+
+
+def load_builtin_stages() -> None:
+    global _loaded
+    if _loaded:
+        return
+    import kvstack.stages as pkg
+
+    for info in pkgutil.walk_packages(pkg.__path__, prefix="kvstack.stages."):
+        importlib.import_module(info.name)
+    _loaded = True
+
+
+def stage_specs() -> dict[str, type[StageSpec]]:
+    load_builtin_stages()
+    return dict(sorted(_STAGES.items()))

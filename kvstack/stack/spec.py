@@ -1,0 +1,149 @@
+"""The typed stack spec: which stages, in which order, under which budget.
+
+``StackSpec`` is a pydantic v2 model whose ``stages`` field is a discriminated union (on ``kind``) of every registered
+stage spec, so ``StackSpec.model_json_schema()`` describes every preset file an editor may validate.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .base import Budget, StageSpec
+from .errors import SpecError
+from .memory import MemoryPlan
+from .registry import stage_specs
+from .shape import ModelShape
+
+PRESET_PACKAGE = "kvstack.presets"
+
+
+def _stage_union() -> Any:
+    specs = tuple(stage_specs().values())
+    if len(specs) == 1:
+        return specs[0]
+    return Annotated[Union[specs], Field(discriminator="kind")]  # noqa: UP007 (runtime-built union)
+
+
+class StackSpec(BaseModel):
+    """A composition of compression stages, applied to a model with ``kvstack.apply(model, spec)``."""
+
+    model_config = ConfigDict(extra="forbid", title="kvstack stack spec")
+
+    name: str = Field(default="custom", description="Short name of the stack (a preset's file name).")
+    description: str = Field(default="", description="One line: what this stack does.")
+    reference: str | None = Field(default=None, description="The paper(s) the stack follows.")
+    budget: Budget | None = Field(
+        default=None, description="Stack-wide budget used by every stage that takes one and does not set its own."
+    )
+    stages: list[_stage_union()] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="Stages in the order they act (an empty list is the identity)."
+    )
+
+    @model_validator(mode="after")
+    def _stages_fit_budget(self) -> "StackSpec":
+        for i, stage in enumerate(self.stages):
+            try:
+                stage.validate_with(self.budget)
+            except SpecError as err:
+                raise ValueError(f"stages.{i} ({stage.kind}): {err}") from None
+        return self
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, source: "StackSpec | dict | str | Path") -> "StackSpec":
+        """From a spec, a dict, a preset name, a YAML file path, or YAML text."""
+        if isinstance(source, StackSpec):
+            return source
+        if isinstance(source, dict):
+            return cls._validate(source, "dict")
+        if isinstance(source, Path):
+            return cls._from_yaml_file(source)
+        if not isinstance(source, str):
+            raise SpecError(
+                f"preset={source!r} is not allowed: pass a StackSpec, a dict, a preset name, a YAML path or YAML text"
+            )
+        presets = preset_names()
+        if source in presets:
+            text = resources.files(PRESET_PACKAGE).joinpath(f"{source}.yaml").read_text()
+            return cls.from_yaml(text, origin=f"preset {source!r}")
+        if "\n" in source or ": " in source:
+            return cls.from_yaml(source)
+        if source.endswith((".yaml", ".yml")) or Path(source).is_file():
+            return cls._from_yaml_file(Path(source))
+        raise SpecError(f"unknown preset {source!r}; available presets: {', '.join(presets)}")
+
+    @classmethod
+    def _from_yaml_file(cls, path: Path) -> "StackSpec":
+        if not path.is_file():
+            raise SpecError(f"stack file {str(path)!r} does not exist")
+        return cls.from_yaml(path.read_text(), origin=str(path))
+
+    @classmethod
+    def from_yaml(cls, text: str, origin: str = "YAML text") -> "StackSpec":
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise SpecError(f"invalid YAML in {origin}{where}: {problem}") from None
+        if not isinstance(data, dict):
+            raise SpecError(f"{origin} must be a mapping with keys name/description/budget/stages, got {data!r}")
+        return cls._validate(data, origin)
+
+    @classmethod
+    def _validate(cls, data: dict, origin: str) -> "StackSpec":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            lines = []
+            for e in err.errors():
+                loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+                value = e.get("input")
+                lines.append(f"  {loc}: {e['msg']} (got {value!r})")
+            raise SpecError(f"invalid stack spec in {origin}:\n" + "\n".join(lines)) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(
+            self.model_dump(mode="json", exclude_none=True), sort_keys=False, allow_unicode=True, width=100
+        )
+
+    # ---------------------------------------------------------------- checking
+    def validate_for(self, shape: ModelShape) -> None:
+        """Raise :class:`SpecError` if any stage cannot run on a model of this shape."""
+        for i, stage in enumerate(self.stages):
+            try:
+                stage.validate_for(shape, self.budget)
+            except SpecError as err:
+                raise SpecError(f"stages.{i} ({stage.kind}): {err}") from None
+
+    @property
+    def model_stages(self) -> list[StageSpec]:
+        return [s for s in self.stages if s.modifies_model]
+
+    # ------------------------------------------------------------------ memory
+    def memory_plan(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None) -> MemoryPlan:
+        shape = config_or_shape if isinstance(config_or_shape, ModelShape) else ModelShape.from_config(config_or_shape)
+        plan = MemoryPlan.uncompressed(shape, seq_len, batch, dtype)
+        for stage in self.stages:
+            stage.plan_memory(plan, self.budget)
+        return plan
+
+    def memory_bound(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None) -> int:
+        """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed)."""
+        return self.memory_plan(config_or_shape, seq_len, batch, dtype).bytes
+
+
+def preset_names() -> list[str]:
+    root = resources.files(PRESET_PACKAGE)
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def list_presets() -> dict[str, str]:
+    """Preset name -> one-line description."""
+    return {name: StackSpec.load(name).description for name in preset_names()}

@@ -1,0 +1,187 @@
+"""Tiers: where a layer's tokens live.
+
+A layer holds an ordered list of *exact tiers* (every stored token has its own key/value, at full or reduced
+precision/width, and its absolute position) and at most one *state tier* (constant-size summary of tokens that left
+the exact tiers, e.g. the LESS low-rank state). The attention function asks each exact tier for its logits and its
+probability-weighted values, and the state tier for its log-denominator and value readout; it merges them under one
+normaliser. Quantized and channel-pruned tiers subclass :class:`ExactTier` in their stage files.
+
+Shapes: batch first everywhere (so beam search reorders with one ``index_select``); keys ``[B, Hkv, T, Dk]``;
+positions ``[B, Hp, T]`` int32 with ``Hp`` 1 (all heads hold the same tokens) or ``Hkv`` (head-wise selection);
+position ``-1`` marks an empty or padding slot that attention never sees and eviction never keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .memory import POSITION_DTYPE
+
+EMPTY = -1
+
+
+class Tier:
+    """Anything a layer stores. Subclasses list their tensors in ``_tensor_names``."""
+
+    name = "tier"
+    _tensor_names: tuple[str, ...] = ()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t for n in self._tensor_names if (t := getattr(self, n, None)) is not None}
+
+    def memory_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors().values())
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to every tensor (batch is dim 0): beam reorder, batch select, repeat, device moves."""
+        for n, t in self.tensors().items():
+            setattr(self, n, fn(t))
+
+
+class ExactTier(Tier):
+    """Tokens stored one by one. Subclasses implement the storage layout; the interface is what attention needs.
+
+    ``token_data`` holds per-token bookkeeping of the stages ([B, Hp or Hkv, T] tensors, e.g. H2O's accumulated
+    attention): it moves with its tokens through ``select`` and is counted in the tier's memory.
+    """
+
+    positions: torch.Tensor | None = None
+    token_data: dict[str, torch.Tensor]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = super().tensors()
+        out.update({f"token_data.{k}": v for k, v in getattr(self, "token_data", {}).items()})
+        return out
+
+    def map_batch(self, fn) -> None:
+        for n in self._tensor_names:
+            if (t := getattr(self, n, None)) is not None:
+                setattr(self, n, fn(t))
+        self.token_data = {k: fn(v) for k, v in self.token_data.items()}
+
+    def _append_token_data(self, n: int) -> None:
+        """New tokens start with zeros in every per-token record."""
+        for k, v in self.token_data.items():
+            self.token_data[k] = torch.cat([v, v.new_zeros(*v.shape[:-1], n)], dim=-1)
+
+    def _select_token_data(self, index: torch.Tensor) -> None:
+        for k, v in self.token_data.items():
+            if index.shape[1] != v.shape[1]:
+                v = v.expand(-1, index.shape[1], -1)
+            self.token_data[k] = v.gather(-1, index)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    def valid(self) -> torch.Tensor:
+        """[B, Hp, T] bool: slots holding a real (non-padding) token."""
+        return self.positions >= 0
+
+    def logits(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [B, Hkv, M, Dq] (compute dtype) -> scaled q.k logits [B, Hkv, M, T]."""
+        raise NotImplementedError
+
+    def mix(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights [B, Hkv, M, T] -> sum_t w_t v_t  [B, Hkv, M, Dv]."""
+        raise NotImplementedError
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (full precision, model dtype) of the slots ``index`` [B, Hi, K] (Hi 1 or Hkv)."""
+        raise NotImplementedError
+
+    def select(self, index: torch.Tensor, slot_valid: torch.Tensor) -> None:
+        """Keep only slots ``index`` [B, Hi, K] (ascending per row); slots with ``slot_valid`` False become empty."""
+        raise NotImplementedError
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def bytes_per_token(self) -> float:
+        """Current cost of one more token per (batch row, all KV heads): drives ratio budgets."""
+        raise NotImplementedError
+
+
+def expand_heads(index: torch.Tensor, heads: int) -> torch.Tensor:
+    return index if index.shape[1] == heads else index.expand(-1, heads, -1)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], index [B, Hi, K] -> [B, H, K, D]."""
+    index = expand_heads(index, x.shape[1])
+    return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+
+def select_positions(positions: torch.Tensor, index: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
+    if index.shape[1] != positions.shape[1]:
+        positions = positions.expand(-1, index.shape[1], -1)
+    kept = positions.gather(2, index)
+    return torch.where(slot_valid, kept, torch.full_like(kept, EMPTY))
+
+
+class FullTier(ExactTier):
+    """Full-precision tokens (sinks, recent window, kept heavy hitters): plain tensors in the model dtype."""
+
+    name = "full"
+    _tensor_names = ("keys", "values", "positions")
+
+    def __init__(self) -> None:
+        self.token_data = {}
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        b, h, _, dk = keys.shape
+        self.keys = keys.new_empty(b, h, 0, dk)
+        self.values = values.new_empty(b, h, 0, values.shape[-1])
+        self.positions = torch.empty(b, 1, 0, dtype=POSITION_DTYPE, device=keys.device)
+
+    def append(self, keys, values, positions) -> None:
+        if positions.shape[1] != self.positions.shape[1]:
+            hp = max(positions.shape[1], self.positions.shape[1])
+            positions = positions.expand(-1, hp, -1)
+            self.positions = self.positions.expand(-1, hp, -1)
+        self.keys = torch.cat([self.keys, keys], dim=-2)
+        self.values = torch.cat([self.values, values], dim=-2)
+        self.positions = torch.cat([self.positions, positions], dim=-1)
+        self._append_token_data(keys.shape[-2])
+
+    def logits(self, query, scaling):
+        return torch.matmul(query, self.keys.to(query.dtype).transpose(-1, -2)) * scaling
+
+    def mix(self, weights):
+        return torch.matmul(weights, self.values.to(weights.dtype))
+
+    def gather(self, index):
+        return gather_tokens(self.keys, index), gather_tokens(self.values, index)
+
+    def select(self, index, slot_valid):
+        self.keys = gather_tokens(self.keys, index)
+        self.values = gather_tokens(self.values, index)
+        self.positions = select_positions(self.positions, index, slot_valid)
+        self._select_token_data(index)
+
+    def bytes_per_token(self) -> float:
+        h = self.keys.shape[1]
+        return (
+            h * (self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
+            + self.positions.shape[1] * self.positions.element_size()
+        )
+
+
+class StateTier(Tier):
+    """Constant-size summary of tokens that left the exact tiers (e.g. the LESS low-rank state)."""
+
+    name = "state"
+
+    def absorb(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Fold keys/values [B, Hkv, n, D] of evicted tokens in; ``valid`` [B, Hkv, n] False entries are skipped."""
+        raise NotImplementedError
+
+    def readout(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """query [B, Hkv, M, D] -> (log-denominator [B, Hkv, M] on the scale of the exact logits,
+        value [B, Hkv, M, Dv]); None while empty."""
+        raise NotImplementedError
