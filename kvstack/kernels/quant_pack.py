@@ -36,7 +36,10 @@ Edge cases:
   scale is at most ``2 * 65504 / 3 < 65504`` and is always representable. The only
   unrepresentable case is a group whose range exceeds the float32 maximum (values
   beyond about ``+-1.7e38``, reachable with fp32/bf16 inputs); that raises
-  ``ValueError`` rather than storing an infinite scale.
+  ``ValueError`` rather than storing an infinite scale. Because the scale is
+  rounded up, ``L * s + mn`` may exceed the dtype's max (e.g. a fp16 group
+  spanning +-65504); dequantization clamps to the finite range, so it never
+  returns inf.
 
 Layout of :class:`QuantizedGroups` for an input ``x`` of shape ``[B, H, T, D]``
 with group size ``G`` and pack factor ``pf = 8 // b`` (``PACK_FACTOR``):
@@ -403,7 +406,12 @@ def dequantize_reference(q: QuantizedGroups, dtype: torch.dtype | None = None) -
     cg, red = _grouped(codes, q.group_size, q.axis)
     s = q.scale.float().unsqueeze(red)
     z = q.zero.float().unsqueeze(red)
-    return (cg * s + z).reshape(q.shape).to(out_dtype)
+    out = cg * s + z
+    # The scale is rounded up, so the top code can land slightly above the group
+    # max; for groups touching the dtype's max (e.g. +-65504 in fp16) that would
+    # cast to inf. Clamping to the finite range only moves values toward the input.
+    fmax = torch.finfo(out_dtype).max
+    return out.clamp_(-fmax, fmax).reshape(q.shape).to(out_dtype)
 
 
 # --------------------------------------------------------------------------- #

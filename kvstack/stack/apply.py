@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import attention
+from . import attention, prefill
 from .cache import KVStackCache
 from .errors import CacheUsageError, SpecError
 from .shape import ModelShape
@@ -61,6 +61,8 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
         if model.config._attn_implementation != attention.ATTN_NAME:
             raise SpecError(f"{type(model).__name__} does not accept a custom attention function")
         model.generate = _wrap_generate(model, model.generate)
+        if spec.prefill_chunk:
+            model.forward = prefill.wrap_forward(model.forward, spec.prefill_chunk, cache_kwarg(model))
         setattr(model, APPLIED_ATTR, state)
     except BaseException:
         _restore(model, state)
@@ -70,6 +72,7 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
 
 def _restore(model, state: Applied) -> None:
     model.__dict__.pop("generate", None)
+    model.__dict__.pop("forward", None)
     if hasattr(model, APPLIED_ATTR):
         delattr(model, APPLIED_ATTR)
     if model.config._attn_implementation != state.original_attn:

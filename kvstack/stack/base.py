@@ -57,6 +57,11 @@ class StageSpec(BaseModel):
     #: model-surgery stages change the model's weights/config in ``kvstack.apply`` (they cannot be undone by remove)
     modifies_model: ClassVar[bool] = False
 
+    def prefill_chunk(self) -> int | None:
+        """Longest prompt piece this stage wants per forward (None: any). ``kvstack.apply`` splits longer
+        forwards into pieces so the stage can compress between them and peak memory stays bounded."""
+        return None
+
     def validate_with(self, stack_budget: Budget | None) -> None:
         """Checks that need the stack-wide budget but no model (run when the spec is loaded)."""
 

@@ -26,7 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .errors import CacheUsageError
 from .memory import POSITION_DTYPE
 from .shape import ModelShape
-from .tiers import EMPTY, ExactTier, FullTier, StateTier
+from .tiers import EMPTY, ExactTier, FullTier, StateTier, select_positions
 
 if TYPE_CHECKING:  # pragma: no cover
     from .attention import AttentionStats
@@ -137,6 +137,23 @@ class StackLayer(CacheLayerMixin):
                 k, v = tier.gather(d_index)
                 self.state.absorb(k, v, d_valid.expand(-1, k.shape[1], -1))
         tier.select(index, slot_valid)
+
+    def demote(self, src: ExactTier, move: torch.Tensor, dst: ExactTier) -> None:
+        """Move the tokens ``move`` [B, Hi, T] of ``src`` into ``dst`` (e.g. full precision -> quantized tier),
+        keeping their positions and per-token records; the order of arrival in ``dst`` is the order in ``src``."""
+        move = move & src.valid()
+        if not bool(move.any()):
+            return
+        index, slot_valid = compaction_index(move)
+        keys, values = src.gather(index)
+        positions = select_positions(src.positions, index, slot_valid)
+        records = {}
+        for name, data in src.token_data.items():
+            records[name] = (data if data.shape[1] == index.shape[1] else data.expand(-1, index.shape[1], -1)).gather(
+                -1, index
+            )
+        dst.append(keys, values, positions, records)
+        self.retain(src, ~move, absorb=False)
 
     def kept_counts(self) -> torch.Tensor:
         """[B, Hkv] number of real tokens held in the exact tiers of each row and head."""

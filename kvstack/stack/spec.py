@@ -126,6 +126,11 @@ class StackSpec(BaseModel):
     def model_stages(self) -> list[StageSpec]:
         return [s for s in self.stages if s.modifies_model]
 
+    @property
+    def prefill_chunk(self) -> int | None:
+        chunks = [c for c in (s.prefill_chunk() for s in self.stages) if c]
+        return min(chunks) if chunks else None
+
     # ------------------------------------------------------------------ memory
     def memory_plan(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None) -> MemoryPlan:
         shape = config_or_shape if isinstance(config_or_shape, ModelShape) else ModelShape.from_config(config_or_shape)

@@ -61,10 +61,21 @@ class ExactTier(Tier):
                 setattr(self, n, fn(t))
         self.token_data = {k: fn(v) for k, v in self.token_data.items()}
 
-    def _append_token_data(self, n: int) -> None:
-        """New tokens start with zeros in every per-token record."""
+    def _append_token_data(self, n: int, records: dict[str, torch.Tensor] | None = None) -> None:
+        """Extend every per-token record by n tokens: their incoming records, else zeros."""
+        records = records or {}
         for k, v in self.token_data.items():
-            self.token_data[k] = torch.cat([v, v.new_zeros(*v.shape[:-1], n)], dim=-1)
+            new = records.get(k)
+            if new is None:
+                new = v.new_zeros(*v.shape[:-1], n)
+            if new.shape[1] != v.shape[1]:
+                width = max(new.shape[1], v.shape[1])
+                new, v = new.expand(-1, width, -1), v.expand(-1, width, -1)
+            self.token_data[k] = torch.cat([v, new.to(v.dtype)], dim=-1)
+        for k, new in records.items():  # a record this tier did not have yet: earlier tokens start at zero
+            if k not in self.token_data:
+                old = new.new_zeros(*new.shape[:-1], self.num_tokens - n)
+                self.token_data[k] = torch.cat([old, new], dim=-1)
 
     def _select_token_data(self, index: torch.Tensor) -> None:
         for k, v in self.token_data.items():
@@ -96,7 +107,15 @@ class ExactTier(Tier):
         """Keep only slots ``index`` [B, Hi, K] (ascending per row); slots with ``slot_valid`` False become empty."""
         raise NotImplementedError
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        records: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Add tokens at the end. ``records``: their per-token records when they come from another tier (missing
+        records start at zero)."""
         raise NotImplementedError
 
     def bytes_per_token(self) -> float:
@@ -139,7 +158,7 @@ class FullTier(ExactTier):
         self.values = values.new_empty(b, h, 0, values.shape[-1])
         self.positions = torch.empty(b, 1, 0, dtype=POSITION_DTYPE, device=keys.device)
 
-    def append(self, keys, values, positions) -> None:
+    def append(self, keys, values, positions, records=None) -> None:
         if positions.shape[1] != self.positions.shape[1]:
             hp = max(positions.shape[1], self.positions.shape[1])
             positions = positions.expand(-1, hp, -1)
@@ -147,7 +166,7 @@ class FullTier(ExactTier):
         self.keys = torch.cat([self.keys, keys], dim=-2)
         self.values = torch.cat([self.values, values], dim=-2)
         self.positions = torch.cat([self.positions, positions], dim=-1)
-        self._append_token_data(keys.shape[-2])
+        self._append_token_data(keys.shape[-2], records)
 
     def logits(self, query, scaling):
         return torch.matmul(query, self.keys.to(query.dtype).transpose(-1, -2)) * scaling

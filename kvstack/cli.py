@@ -1,0 +1,118 @@
+"""``kvstack`` command line (typer): inspect presets and specs, generate with a stack, benchmark, calibrate."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Composable KV-cache compression for transformers.")
+
+LLAMA3_8B = dict(  # analytic reference shape for `kvstack presets` (no weights needed)
+    model_type="llama", num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, layer_windows=(None,) * 32
+)
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+def _load(source: str):
+    from kvstack import KVStackError, StackSpec
+
+    try:
+        return StackSpec.load(source)
+    except KVStackError as err:
+        _fail(str(err))
+
+
+@app.command()
+def presets(tokens: int = typer.Option(4096, help="Tokens seen for the analytic memory ratio.")) -> None:
+    """List the shipped presets: name, memory ratio at TOKENS on a Llama-3-8B-shaped cache, description."""
+    import torch
+
+    from kvstack import ModelShape, StackSpec, full_cache_bytes, preset_names
+
+    shape = ModelShape(dtype=torch.float16, **LLAMA3_8B)
+    full = full_cache_bytes(shape, tokens)
+    rows = []
+    for name in preset_names():
+        spec = StackSpec.load(name)
+        ratio = spec.memory_bound(shape, tokens) / full
+        rows.append((name, f"{ratio:.3f}", spec.description))
+    width = max(len(r[0]) for r in rows)
+    typer.echo(f"{'preset'.ljust(width)}  ratio@{tokens}  description")
+    for name, ratio, desc in rows:
+        typer.echo(f"{name.ljust(width)}  {ratio.rjust(6 + len(str(tokens)))}  {desc}")
+
+
+@app.command()
+def show(preset: str = typer.Argument(..., help="Preset name or YAML file.")) -> None:
+    """Print a preset (or file) as the full YAML spec, every default spelled out."""
+    typer.echo(_load(preset).to_yaml(), nl=False)
+
+
+@app.command()
+def validate(file: Path = typer.Argument(..., help="YAML stack file.")) -> None:
+    """Validate a YAML stack file (exit 0 and a summary, or a clear error naming the field)."""
+    spec = _load(str(file))
+    typer.echo(f"ok: {spec.name} — {len(spec.stages)} stage(s): {', '.join(s.kind for s in spec.stages) or 'none'}")
+
+
+@app.command()
+def schema(out: Optional[Path] = typer.Option(None, help="Write the JSON schema here instead of stdout.")) -> None:
+    """Print the JSON schema of stack files (for editor validation of presets)."""
+    from kvstack import StackSpec
+
+    text = json.dumps(StackSpec.model_json_schema(), indent=2)
+    if out:
+        out.write_text(text + "\n")
+    else:
+        typer.echo(text)
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
+    preset: str = typer.Option("identity", help="Preset name or YAML file."),
+    prompt: str = typer.Option(..., help="Prompt text."),
+    max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate (greedy)."),
+) -> None:
+    """Generate greedily with a stack applied; print the text and the cache memory vs. the full cache."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kvstack
+
+    spec = _load(preset)
+    if not model.is_dir():
+        _fail(f"--model {str(model)!r} is not a directory holding a Hugging Face model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model).eval()
+    try:
+        kvstack.apply(lm, spec)
+    except kvstack.KVStackError as err:
+        _fail(str(err))
+    inputs = tokenizer(prompt, return_tensors="pt")
+    cache = kvstack.cache_for(lm)
+    with torch.no_grad():
+        out = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **{"cache": cache})
+    typer.echo(tokenizer.decode(out[0], skip_special_tokens=True))
+    report = cache.memory_report()
+    typer.echo(
+        f"memory: {report['total_bytes']:,} bytes held vs {report['full_cache_bytes']:,} for the full cache "
+        f"at {report['tokens_seen']} tokens (ratio {report['ratio']:.3f})"
+    )
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
