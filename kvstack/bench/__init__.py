@@ -1,0 +1,1 @@
+"""Benchmarks: quality under the evaluation protocol, kernels, and the ``kvstack bench`` harness."""
