@@ -109,6 +109,53 @@ def generate(
     )
 
 
+@app.command()
+def bench(
+    model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
+    data: Path = typer.Option(..., help="JSONL file of passages, one {\"text\": ...} per line."),
+    presets: str = typer.Option(..., help="Comma-separated preset names or YAML files, e.g. identity,streaming."),
+    ratios: str = typer.Option(
+        "0.5,0.25,0.125",
+        help="Comma-separated memory ratios for presets that take a budget (stack budget := {ratio: r}, stage "
+        "budgets dropped); an empty string runs every preset as written.",
+    ),
+    protocol: str = typer.Option("prefill", help="prefill: compress the prefix, then decode; decode: compress "
+                                 "continuously while feeding tokens one at a time."),
+    passages: int = typer.Option(32, min=1, help="Number of passages (the first N of --data)."),
+    prefix: int = typer.Option(384, min=1, help="Tokens before the first predicted position."),
+    max_len: int = typer.Option(512, min=2, help="Tokens per passage (truncated)."),
+    decode_prefill: int = typer.Option(16, min=1, help="decode protocol: tokens prefilled in one forward."),
+    out: Path = typer.Option(..., help="Output directory (results.json, quality_vs_memory.png)."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Benchmark presets against the full cache and transformers' QuantizedCache: table, results.json and a plot."""
+    from kvstack import KVStackError
+    from kvstack.bench import harness
+
+    try:
+        ratio_values = tuple(float(r) for r in ratios.split(",") if r.strip())
+    except ValueError:
+        _fail(f"--ratios {ratios!r} is not allowed: comma-separated numbers in (0, 1]")
+    if any(not 0 < r <= 1 for r in ratio_values):
+        _fail(f"--ratios {ratios!r} is not allowed: every ratio must be in (0, 1]")
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    if not names:
+        _fail("--presets is empty: give comma-separated preset names or YAML files")
+    if not model.is_dir():
+        _fail(f"--model {str(model)!r} is not a directory holding a Hugging Face model")
+    if not data.is_file():
+        _fail(f"--data {str(data)!r} is not a file")
+    try:
+        result = harness.bench(
+            model, data, names, out, passages=passages, ratios=ratio_values, protocol_name=protocol, prefix=prefix,
+            max_len=max_len, decode_prefill=decode_prefill, progress=progress,
+        )
+    except (KVStackError, ValueError) as err:
+        _fail(str(err))
+    typer.echo(harness.markdown_table(result.rows))
+    typer.echo(f"\nwrote {out / harness.RESULTS_FILE} and {out / harness.PLOT_FILE}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

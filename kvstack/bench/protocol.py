@@ -7,6 +7,11 @@ the last prefix position, then feeds the remaining tokens ONE at a time with exp
 Metrics over all predicted positions of all passages: KL(reference || compressed) in nats per token, top-1
 agreement with the reference, perplexity of the true next tokens; memory is the cache's bytes right after the
 prefix over the bytes of an uncompressed cache of the same tokens in the model's dtype.
+
+``protocol="decode"`` compresses while decoding instead: only ``ids[:decode_prefill]`` is prefilled and every later
+token is fed one at a time, so the stack compresses the whole sequence step by step. The predicted positions, the
+memory point (``prefix`` tokens seen) and the timed part (positions ``prefix..``) are the same as for ``prefill``,
+so the two protocols' numbers are directly comparable.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 DEFAULT_MODEL = "../shared/models/stories260K"
 DEFAULT_DATA = "../shared/data/stories260K-samples-dev.jsonl"
+PROTOCOLS = ("prefill", "decode")
 
 
 def model_path() -> Path:
@@ -75,13 +81,22 @@ def reference_logprobs(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compressed_logprobs(model, ids: torch.Tensor, prefix: int, cache) -> tuple[torch.Tensor, int, float]:
-    """Prefill ``ids[:prefix]`` into ``cache``, then one token at a time. Returns (logprobs, bytes after prefix,
-    decode seconds)."""
+def compressed_logprobs(
+    model, ids: torch.Tensor, prefix: int, cache, *, protocol: str = "prefill", decode_prefill: int = 16
+) -> tuple[torch.Tensor, int, float]:
+    """Prefill ``ids[:prefix]`` into ``cache`` (``decode``: only ``ids[:decode_prefill]``, then one token at a time up
+    to the prefix), then one token at a time. Returns (logprobs, bytes after prefix, decode seconds)."""
     from kvstack.stack.apply import cache_kwarg
 
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is not allowed: one of {', '.join(PROTOCOLS)}")
+    if protocol == "decode" and not 0 < decode_prefill < prefix:
+        raise ValueError(f"decode_prefill={decode_prefill} is not allowed: 0 < decode_prefill < prefix ({prefix})")
     name = cache_kwarg(model)
-    out = model(ids[None, :prefix], **{name: cache})
+    first = decode_prefill if protocol == "decode" else prefix
+    out = model(ids[None, :first], **{name: cache})
+    for p in range(first, prefix):
+        out = model(ids[None, p : p + 1], position_ids=torch.tensor([[p]]), **{name: cache})
     rows = [out.logits[0, -1]]
     memory = cache.memory_bytes() if hasattr(cache, "memory_bytes") else _dynamic_bytes(cache)
     start = time.perf_counter()
@@ -93,7 +108,21 @@ def compressed_logprobs(model, ids: torch.Tensor, prefix: int, cache) -> tuple[t
 
 
 def _dynamic_bytes(cache) -> int:
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    """Bytes a transformers cache holds: keys/values, and the quantized states of ``QuantizedCache`` layers."""
+    names = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(_tensor_bytes(getattr(layer, n, None)) for layer in cache.layers for n in names)
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__"):  # tensor subclasses (quanto's QTensor) hold inner tensors
+            return sum(_tensor_bytes(getattr(obj, n)) for n in obj.__tensor_flatten__()[0])
+        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):  # hqq's quantization metadata (scales, zero points)
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
 
 
 @torch.no_grad()
@@ -108,10 +137,13 @@ def evaluate(
     max_len: int = 512,
     make_cache=None,
     references: list[torch.Tensor] | None = None,
+    protocol: str = "prefill",
+    decode_prefill: int = 16,
 ) -> QualityResult:
     """Run the protocol for one stack ``spec`` (None: the full ``DynamicCache``), or for caches from
     ``make_cache(model)`` (baselines such as transformers' QuantizedCache). ``references`` may be passed to reuse
-    the reference log-probabilities across stacks (``reference_set``)."""
+    the reference log-probabilities across stacks (``reference_set``). ``protocol``: ``prefill`` (default) or
+    ``decode`` (see the module docstring)."""
     import kvstack
     from kvstack.stack.memory import full_cache_bytes
     from transformers import DynamicCache
@@ -130,7 +162,9 @@ def evaluate(
                 cache = make_cache(model)
             else:
                 cache = DynamicCache(config=model.config)
-            comp, nbytes, secs = compressed_logprobs(model, ids, prefix, cache)
+            comp, nbytes, secs = compressed_logprobs(
+                model, ids, prefix, cache, protocol=protocol, decode_prefill=decode_prefill
+            )
             kl = (ref.exp() * (ref - comp)).sum(-1)
             kls.append(float(kl.mean()))
             agree += int((ref.argmax(-1) == comp.argmax(-1)).sum())

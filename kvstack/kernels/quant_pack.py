@@ -445,8 +445,8 @@ def _quant_pack_kernel_fn(
     mx = tl.full([BLOCK_I], float("-inf"), tl.float32)
     for p in tl.static_range(PF):
         xv = tl.load(x_base + (offs_k * PF + p)[:, None] * xs_r, mask=mask, other=0.0).to(tl.float32)
-        mn = tl.minimum(mn, tl.min(tl.where(mask, xv, float("inf")), axis=0))
-        mx = tl.maximum(mx, tl.max(tl.where(mask, xv, float("-inf")), axis=0))
+        mn = tl.minimum(mn, tl.reduce(tl.where(mask, xv, float("inf")), 0, _MIN_COMBINE))
+        mx = tl.maximum(mx, tl.reduce(tl.where(mask, xv, float("-inf")), 0, _MAX_COMBINE))
     mn = tl.where(mask_i, mn, 0.0)  # keep padding lanes finite
     mx = tl.where(mask_i, mx, 0.0)
 
@@ -472,7 +472,7 @@ def _quant_pack_kernel_fn(
     tl.store(scale_ptr + sz_off, s.to(scale_ptr.dtype.element_ty), mask=mask_i)
     tl.store(zero_ptr + sz_off, mn.to(zero_ptr.dtype.element_ty), mask=mask_i)
 
-    acc = tl.zeros([BLOCK_K, BLOCK_I], tl.int32)
+    acc = tl.full([BLOCK_K, BLOCK_I], 0, tl.int32)
     for p in tl.static_range(PF):
         xv = tl.load(x_base + (offs_k * PF + p)[:, None] * xs_r, mask=mask, other=0.0).to(tl.float32)
         v = tl.div_rn(xv - mn[None, :], safe[None, :])
@@ -483,6 +483,17 @@ def _quant_pack_kernel_fn(
     p_off = o * ps_o + offs_k[:, None] * ps_k + offs_i[None, :] * ps_i
     tl.store(packed_ptr + p_off, acc.to(tl.uint8), mask=mask)
 
+
+# Only Triton *builtins* are used in the kernel (tl.reduce with the standard
+# library's min/max combiners instead of tl.min/tl.max, tl.full instead of
+# tl.zeros). The @jit helpers of triton.language.standard are decorated once, when
+# triton is first imported; if that happened before TRITON_INTERPRET=1 was set
+# (e.g. a conftest importing transformers), calling them from an interpreted
+# kernel fails. The combiners are passed to tl.reduce, whose interpreter fast
+# path recognises them by identity, so they work either way.
+if tl is not None:
+    _MIN_COMBINE = tl.standard._elementwise_min
+    _MAX_COMBINE = tl.standard._elementwise_max
 
 _KERNELS: dict = {}
 

@@ -55,10 +55,14 @@ class StatsRequest:
 
     ``mass_windows``: for each entry w, the attention weight every stored key received, summed over the last w
     queries of the forward (None: all of them), per query head.
+    ``saliency``: (w, mode) pairs — OBCache's output-change saliency of every stored key over the last w queries,
+    mode ``value`` (a_i ||v_i||), ``key`` (a_i ||v_i - o||) or ``joint`` (a_i ||v_i - o|| / (1 - a_i)); see
+    ``kvstack/stages/scorers/obcache.py`` for the derivation.
     """
 
     mass_windows: tuple[int | None, ...] = ()
     keep_query: bool = False
+    saliency: tuple[tuple[int | None, str], ...] = ()
 
 
 @dataclass
@@ -67,7 +71,9 @@ class AttentionStats:
 
     ``weights[i]`` are the normalised attention weights on exact tier i, [B, Hkv, G, Q, T_i] (the torch path keeps
     them only when a stage asked); ``mass(i, w)`` reduces them; ``query`` is the post-RoPE query [B, Hq, Q, D] when
-    asked; ``query_positions`` [Q] the absolute positions of the queries.
+    asked; ``query_positions`` [Q] the absolute positions of the queries; ``key_positions[i]`` the positions of tier
+    i when attention ran (stages that run earlier in ``finish_forward`` may move tokens: align by position);
+    ``saliency[(w, mode)][i]`` [B, Hq, T_i] when asked.
     """
 
     query_positions: torch.Tensor
@@ -75,6 +81,8 @@ class AttentionStats:
     weights: list[torch.Tensor | None] = field(default_factory=list)
     query: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    key_positions: list[torch.Tensor | None] = field(default_factory=list)
+    saliency: dict[tuple[int | None, str], list[torch.Tensor | None]] = field(default_factory=dict)
 
     def mass(self, tier_index: int, window: int | None = None) -> torch.Tensor:
         """[B, Hq, T_i]: weight each key of tier ``tier_index`` received, summed over the last ``window`` queries."""
@@ -89,13 +97,15 @@ class AttentionStats:
 
 def _merge_requests(layer: StackLayer, query_length: int) -> StatsRequest:
     windows: set[int | None] = set()
+    saliency: set[tuple[int | None, str]] = set()
     keep_query = False
     for stage in layer.stages:
         req = stage.attention_request(layer, query_length)
         if req is not None:
             windows.update(req.mass_windows)
+            saliency.update(req.saliency)
             keep_query = keep_query or req.keep_query
-    return StatsRequest(tuple(windows), keep_query)
+    return StatsRequest(tuple(windows), keep_query, tuple(saliency))
 
 
 def _new_token_validity(mask, layer: StackLayer, batch: int, q_len: int) -> torch.Tensor | None:
@@ -205,6 +215,12 @@ def stack_attention(
     out = torch.where(denominator[..., None] > 0, numerator / safe[..., None], torch.zeros_like(numerator))
 
     stats = AttentionStats(query_positions=q_pos, num_queries=q_len)
+    stats.key_positions = [t.positions if t.num_tokens else None for t in layer.tiers]
+    for window, mode in request.saliency:
+        stats.saliency[(window, mode)] = [
+            None if e is None else _saliency(tier, e / safe[..., None], out, group, q_len, window, mode)
+            for tier, e in zip(layer.tiers, exps)
+        ]
     if request.mass_windows:
         for e in exps:
             stats.weights.append(
@@ -218,6 +234,27 @@ def stack_attention(
     # [B, Hkv, G*Q, Dv] -> [B, Q, Hq, Dv] as transformers expects
     out = out.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, None
+
+
+def _saliency(tier, weights, out, group: int, q_len: int, window: int | None, mode: str) -> torch.Tensor:
+    """[B, Hq, T]: sum over the last ``window`` queries of the output change when each key is removed (OBCache)."""
+    b, h, _, t = weights.shape
+    w = weights.reshape(b, h, group, q_len, t)
+    o = out.reshape(b, h, group, q_len, -1)
+    if window is not None:
+        w, o = w[..., -window:, :], o[..., -window:, :]
+    index = torch.arange(t, device=weights.device).expand(b, 1, t)
+    v = tier.gather(index)[1].to(w.dtype)  # [B, Hkv, T, Dv], dequantized by the tier
+    v_sq = (v * v).sum(-1)[:, :, None, None, :]
+    if mode == "value":
+        return (w * v_sq.sqrt()).sum(-2).reshape(b, h * group, t)
+    o_sq = (o * o).sum(-1, keepdim=True)
+    cross = torch.einsum("bhgqd,bhtd->bhgqt", o, v)
+    dist = (v_sq + o_sq - 2 * cross).clamp_min(0).sqrt()  # ||v_i - o_q||
+    score = w * dist
+    if mode == "joint":
+        score = score / (1 - w).clamp_min(1e-6)
+    return score.sum(-2).reshape(b, h * group, t)
 
 
 def register() -> None:

@@ -26,7 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .errors import CacheUsageError
 from .memory import POSITION_DTYPE
 from .shape import ModelShape
-from .tiers import EMPTY, ExactTier, FullTier, StateTier, select_positions
+from .tiers import EMPTY, ExactTier, FullTier, StateTier, gather_records, select_positions
 
 if TYPE_CHECKING:  # pragma: no cover
     from .attention import AttentionStats
@@ -147,11 +147,7 @@ class StackLayer(CacheLayerMixin):
         index, slot_valid = compaction_index(move)
         keys, values = src.gather(index)
         positions = select_positions(src.positions, index, slot_valid)
-        records = {}
-        for name, data in src.token_data.items():
-            records[name] = (data if data.shape[1] == index.shape[1] else data.expand(-1, index.shape[1], -1)).gather(
-                -1, index
-            )
+        records = {name: gather_records(data, index) for name, data in src.token_data.items()}
         dst.append(keys, values, positions, records)
         self.retain(src, ~move, absorb=False)
 

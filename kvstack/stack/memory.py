@@ -65,18 +65,28 @@ class LayerPlan:
 
 @dataclass
 class MemoryPlan:
-    """Analytic memory of a stack after ``seq_len`` tokens were seen (state after each forward's compression)."""
+    """Analytic memory of a stack after ``seq_len`` tokens were seen (state after each forward's compression), of
+    which the first ``prefill_len`` came in the first forward (default: all of them) and the rest one per forward."""
 
     shape: ModelShape
     seq_len: int
     batch: int
     dtype: torch.dtype
     layers: list[LayerPlan] = field(default_factory=list)
+    prefill_len: int | None = None
 
     @classmethod
-    def uncompressed(cls, shape: ModelShape, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
+    def uncompressed(
+        cls,
+        shape: ModelShape,
+        seq_len: int,
+        batch: int = 1,
+        dtype: torch.dtype | None = None,
+        prefill_len: int | None = None,
+    ):
         dtype = dtype or shape.dtype
-        plan = cls(shape, seq_len, batch, dtype)
+        prefill_len = seq_len if prefill_len is None else min(prefill_len, seq_len)
+        plan = cls(shape, seq_len, batch, dtype, prefill_len=prefill_len)
         for window in shape.layer_windows:
             # sliding layers drop what no future query can see: the newest window-1 tokens remain
             tokens = seq_len if window is None else min(seq_len, window - 1)

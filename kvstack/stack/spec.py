@@ -132,16 +132,17 @@ class StackSpec(BaseModel):
         return min(chunks) if chunks else None
 
     # ------------------------------------------------------------------ memory
-    def memory_plan(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None) -> MemoryPlan:
+    def memory_plan(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None, prefill_len=None) -> MemoryPlan:
         shape = config_or_shape if isinstance(config_or_shape, ModelShape) else ModelShape.from_config(config_or_shape)
-        plan = MemoryPlan.uncompressed(shape, seq_len, batch, dtype)
+        plan = MemoryPlan.uncompressed(shape, seq_len, batch, dtype, prefill_len)
         for stage in self.stages:
             stage.plan_memory(plan, self.budget)
         return plan
 
-    def memory_bound(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None) -> int:
-        """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed)."""
-        return self.memory_plan(config_or_shape, seq_len, batch, dtype).bytes
+    def memory_bound(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None, prefill_len=None) -> int:
+        """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed), the first
+        ``prefill_len`` of them (default: all) in one forward and the rest one token per forward."""
+        return self.memory_plan(config_or_shape, seq_len, batch, dtype, prefill_len).bytes
 
 
 def preset_names() -> list[str]:

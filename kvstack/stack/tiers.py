@@ -79,9 +79,7 @@ class ExactTier(Tier):
 
     def _select_token_data(self, index: torch.Tensor) -> None:
         for k, v in self.token_data.items():
-            if index.shape[1] != v.shape[1]:
-                v = v.expand(-1, index.shape[1], -1)
-            self.token_data[k] = v.gather(-1, index)
+            self.token_data[k] = gather_records(v, index)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +119,13 @@ class ExactTier(Tier):
     def bytes_per_token(self) -> float:
         """Current cost of one more token per (batch row, all KV heads): drives ratio budgets."""
         raise NotImplementedError
+
+
+def gather_records(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token records [B, Hd, T] at slots ``index`` [B, Hi, K]; a width-1 side is shared by every head (a record
+    kept per KV head survives a selection made for all heads at once)."""
+    width = max(data.shape[1], index.shape[1])
+    return data.expand(-1, width, -1).gather(-1, index.expand(-1, width, -1))
 
 
 def expand_heads(index: torch.Tensor, heads: int) -> torch.Tensor:

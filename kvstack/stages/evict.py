@@ -1,14 +1,28 @@
 """``kind: evict`` — physically remove tokens from a layer, keeping the best-scored ones within a budget.
 
-The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/``; this stage owns the rest:
+The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/`` (``window``, ``key_norm``,
+``value_key_ratio``, ``h2o``, ``tova``, ``snapkv``, ``obcache``, ``random``); this stage owns the rest (docs/eviction.md):
 
 * budget: ``tokens`` per layer and KV head, or a memory ``ratio`` of the full cache at the tokens seen (own
-  ``budget`` or the stack's);
-* protected sets: the first ``n_sink`` real tokens of each row (attention sinks) and the ``recent`` newest positions;
-* selection: one top-k over every exact tier of the layer (tokens keep their tier), then ``StackLayer.retain`` —
-  padding is never kept, and evicted tokens are folded into the layer's state tier when the stack has one;
-* when: ``always`` (after every forward that leaves the layer over budget), ``prefill`` (only the first forward:
-  compress the prompt), ``decode`` (only later forwards).
+  ``budget`` or the stack's); ``schedule: pyramid`` gives early layers more and deep layers less, linearly, with the
+  same average (PyramidKV, arXiv 2406.02069; ``pyramid_spread`` s: layer 0 gets (1 + s) x, the last (1 - s) x);
+* protected sets: the first ``n_sink`` real tokens of each row (attention sinks), the ``recent`` newest positions and
+  the scorer's own (SnapKV's observation ``window``);
+* heads: ``head_wise`` (default: the scorer's) — each KV head keeps its own top-k, the same count per head so tensors
+  stay rectangular; otherwise one selection for all heads (scores averaged over KV heads). Scores per query head are
+  reduced over each GQA group with ``group_reduce`` (``mean`` or ``max``);
+* granularity: ``token`` — one top-k over every exact tier of the layer (tokens keep their tier); ``block`` — tokens
+  form blocks of ``block_size`` in position order and Algorithm 1 of PagedEviction (arXiv 2509.04377) runs: while
+  the block count exceeds the budget in blocks (``budget // block_size``), the newest block is protected, every other
+  block is scored by the ``aggregate`` (mean / min / max) of its tokens' scores, and the lowest-scored blocks leave;
+* when: ``phase`` ``always`` (after every forward), ``prefill`` (forwards of the prompt: more than one query, or the
+  first forward) or ``decode`` (the others); ``every: N`` lets the layer grow N - 1 tokens past the budget before it
+  compresses back to it (one eviction per N decode steps; memory may exceed the budget by at most N - 1 tokens and the
+  memory bound says so); ``chunk_size`` runs long prompts in pieces with a compression after each, so the peak holds
+  at most budget + chunk_size tokens (+ N - 1).
+
+Selection goes through ``StackLayer.retain``: padding is never kept nor counted, and evicted tokens are folded into
+the layer's state tier when the stack has one.
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.memory import _itemsize, full_tier_bytes
@@ -38,6 +52,34 @@ class EvictSpec(StageSpec):
     phase: Literal["always", "prefill", "decode"] = Field(
         default="always", description="When to compress: after every forward, only the prompt, or only decode."
     )
+    every: int = Field(
+        default=1, ge=1, description="Compress once the layer holds budget + every - 1 tokens (slack: every - 1)."
+    )
+    chunk_size: int | None = Field(
+        default=None, ge=1, description="Prefill long prompts in pieces of this many tokens, compressing after each."
+    )
+    granularity: Literal["token", "block"] = Field(default="token", description="Evict single tokens or whole blocks.")
+    block_size: int = Field(default=16, ge=1, description="Tokens per block (granularity: block).")
+    aggregate: Literal["mean", "min", "max"] = Field(
+        default="mean", description="How a block's score aggregates its tokens' scores (granularity: block)."
+    )
+    head_wise: bool | None = Field(
+        default=None, description="Each KV head keeps its own tokens (None: the scorer's default)."
+    )
+    group_reduce: Literal["mean", "max"] = Field(
+        default="mean", description="How query-head scores of one GQA group become the KV head's score."
+    )
+    schedule: Literal["uniform", "pyramid"] = Field(default="uniform", description="Per-layer budget schedule.")
+    pyramid_spread: float = Field(
+        default=0.5, ge=0.0, lt=1.0, description="pyramid: layer 0 keeps (1 + s) x budget, the last layer (1 - s) x."
+    )
+    window: int = Field(default=32, ge=1, description="snapkv / obcache: observation window (last prompt queries).")
+    kernel: int = Field(default=7, ge=1, description="snapkv: pooling width along the sequence (odd).")
+    pooling: Literal["max", "avg"] = Field(default="max", description="snapkv: pooling of the window's attention.")
+    saliency: Literal["joint", "key", "value"] = Field(
+        default="joint", description="obcache: which output change is measured (see docs/eviction.md)."
+    )
+    seed: int = Field(default=0, description="random: seed of the scores.")
 
     @field_validator("scorer")
     @classmethod
@@ -47,6 +89,24 @@ class EvictSpec(StageSpec):
             raise ValueError(f"unknown scorer {value!r}; available scorers: {', '.join(names)}")
         return value
 
+    @model_validator(mode="after")
+    def _odd_kernel(self) -> "EvictSpec":
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} is not allowed: an odd width (the pooling window is centred)")
+        return self
+
+    def prefill_chunk(self) -> int | None:
+        return self.chunk_size
+
+    @property
+    def is_head_wise(self) -> bool:
+        return get_scorer(self.scorer).head_wise if self.head_wise is None else self.head_wise
+
+    def protected_count(self) -> int:
+        """Tokens the protected sets may hold: sinks + the longer of ``recent`` and the scorer's window."""
+        scorer = get_scorer(self.scorer)(self, None)
+        return self.n_sink + max(self.recent, scorer.protected_recent())
+
     def effective_budget(self, stack_budget: Budget | None) -> Budget:
         budget = self.budget or stack_budget
         if budget is None:
@@ -55,28 +115,54 @@ class EvictSpec(StageSpec):
 
     def validate_with(self, stack_budget: Budget | None) -> None:
         budget = self.effective_budget(stack_budget)
-        protected = self.n_sink + self.recent
+        protected = self.protected_count()
         if budget.tokens is not None and budget.tokens < protected:
             raise spec_error(
-                "budget.tokens", budget.tokens, f"at least n_sink + recent = {self.n_sink} + {self.recent} = {protected}"
+                "budget.tokens",
+                budget.tokens,
+                f"at least n_sink + max(recent, scorer window) = {self.n_sink} + "
+                f"{protected - self.n_sink} = {protected}",
             )
+        if self.granularity == "block" and budget.tokens is not None and budget.tokens < self.block_size:
+            raise spec_error("budget.tokens", budget.tokens, f"at least one block (block_size = {self.block_size})")
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
 
-    def plan_memory(self, plan, stack_budget) -> None:
+    # --------------------------------------------------------------------------------------------- budgets
+    def token_cost(self, shape, dtype) -> int:
+        """Bytes of one kept token per batch row: keys, values, positions (per head when head-wise), records."""
+        scorer = get_scorer(self.scorer)(self, shape)
+        return full_tier_bytes(shape, dtype, positions_per_head=self.is_head_wise)(1) + scorer.record_bytes_per_token(
+            shape
+        )
+
+    def layer_cap(self, shape, dtype, stack_budget, layer_idx: int, seen: int) -> int:
+        """Tokens per (row, KV head) layer ``layer_idx`` may keep after ``seen`` tokens (before the ``every`` slack)."""
         budget = self.effective_budget(stack_budget)
-        head_wise = get_scorer(self.scorer).head_wise
-        for layer in plan.layers:
+        if budget.tokens is not None:
+            base = budget.tokens
+        else:
+            reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
+            base = ratio_tokens(budget.ratio, seen, reference, self.token_cost(shape, dtype))
+        if self.schedule == "pyramid" and shape.num_layers > 1:
+            base = int(base * (1 + self.pyramid_spread * (1 - 2 * layer_idx / (shape.num_layers - 1))))
+        cap = max(base, self.protected_count())
+        if self.granularity == "block":
+            cap = max(cap // self.block_size, 1) * self.block_size
+        return cap
+
+    def plan_memory(self, plan, stack_budget) -> None:
+        scorer = get_scorer(self.scorer)(self, plan.shape)
+        records = scorer.record_bytes_per_token(plan.shape)
+        for idx, layer in enumerate(plan.layers):
             full = layer.tier("full")
-            if head_wise and full is not None:
-                full.bytes_for = full_tier_bytes(plan.shape, plan.dtype, positions_per_head=True)
-            if budget.tokens is not None:
-                cap = budget.tokens
-            else:
-                own = full.bytes_for(1) if full is not None else 1
-                reference = plan.shape.num_kv_heads * (plan.shape.head_dim + plan.shape.value_dim) * _itemsize(plan.dtype)
-                cap = max(ratio_tokens(budget.ratio, plan.seq_len, reference, own), self.n_sink + self.recent)
+            if full is not None and (self.is_head_wise or records):
+                base = full_tier_bytes(plan.shape, plan.dtype, positions_per_head=self.is_head_wise)
+                full.bytes_for = lambda n, base=base: base(n) + n * records
+            if self.phase == "decode":  # the prompt is never compressed: no bound below the tokens seen
+                continue
+            cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, plan.seq_len) + self.every - 1
             excess = layer.tokens - cap
             for tier in reversed(layer.tiers):  # the oldest, lowest-precision tiers give way first
                 if excess <= 0:
@@ -99,48 +185,46 @@ class EvictStage(Stage):
 
     def __init__(self, spec: EvictSpec, shape, stack_budget) -> None:
         super().__init__(spec, shape, stack_budget)
-        self.budget = spec.effective_budget(stack_budget)
         self.scorer = get_scorer(spec.scorer)(spec, shape)
+        self.recent = max(spec.recent, self.scorer.protected_recent())
 
     def attention_request(self, layer, query_length):
         return self.scorer.request(layer, query_length)
 
     def budget_tokens(self, layer) -> int:
-        if self.budget.tokens is not None:
-            return self.budget.tokens
-        # priced as full-precision tokens: the conservative cost when tokens may sit in any tier
-        reference = self.shape.num_kv_heads * (self.shape.head_dim + self.shape.value_dim) * _itemsize(self.shape.dtype)
-        tokens = ratio_tokens(self.budget.ratio, layer.seen, reference, layer.full.bytes_per_token())
-        return max(tokens, self.spec.n_sink + self.spec.recent)
+        return self.spec.layer_cap(self.shape, self.shape.dtype, self.stack_budget, layer.layer_idx, layer.seen)
 
     def after_attention(self, layer, stats) -> None:
         self.scorer.observe(layer, stats)
-        first_forward = layer.seen == stats.num_queries
-        if (self.spec.phase == "prefill" and not first_forward) or (self.spec.phase == "decode" and first_forward):
+        prefill = stats.num_queries > 1 or layer.seen == stats.num_queries
+        if (self.spec.phase == "prefill" and not prefill) or (self.spec.phase == "decode" and prefill):
             return
         cap = self.budget_tokens(layer)
-        if int(layer.kept_counts().max()) <= cap:
+        if int(layer.kept_counts().max()) <= cap + self.spec.every - 1:
             return
-        keep = self.select(layer, cap)
+        keep = self.select(layer, cap, stats)
         for tier, tier_keep in zip([t for t in layer.tiers if t.num_tokens], keep):
             layer.retain(tier, tier_keep)
 
-    def select(self, layer, cap: int) -> list[torch.Tensor]:
-        """Keep masks, one per non-empty exact tier: the top-``cap`` tokens per (row, head) over all tiers."""
+    def select(self, layer, cap: int, stats) -> list[torch.Tensor]:
+        """Keep masks, one per non-empty exact tier: the best ``cap`` tokens per (row, head) over all tiers."""
         tiers = [(i, t) for i, t in enumerate(layer.tiers) if t.num_tokens]
-        scores = [self.scorer.scores(layer, i, t) for i, t in tiers]
+        scores = [self.scorer.scores(layer, i, t, stats).float() for i, t in tiers]
+        if not self.spec.is_head_wise:
+            scores = [s.mean(1, keepdim=True) for s in scores]
         width = max(s.shape[1] for s in scores + [t.positions for _, t in tiers])
-        score = torch.cat([s.expand(-1, width, -1) for s in scores], dim=-1).to(torch.float32)
+        score = torch.cat([s.expand(-1, width, -1) for s in scores], dim=-1)
         pos = torch.cat([t.positions.expand(-1, width, -1) for _, t in tiers], dim=-1)
         valid = pos >= 0
         protected = self.protected(pos, valid, layer.seen)
-        score = torch.where(protected, torch.full_like(score, math.inf), score)
-        score = torch.where(valid, score, torch.full_like(score, -math.inf))
-        k = min(cap, score.shape[-1])
-        top = score.topk(k, dim=-1).indices
-        keep = torch.zeros_like(valid).scatter_(-1, top, True) & valid
-        sizes = [t.num_tokens for _, t in tiers]
-        return list(keep.split(sizes, dim=-1))
+        if self.spec.granularity == "block":
+            keep = block_keep(score, pos, protected, self.spec.block_size, cap // self.spec.block_size, self.spec.aggregate)
+        else:
+            score = torch.where(protected, torch.full_like(score, math.inf), score)
+            score = torch.where(valid, score, torch.full_like(score, -math.inf))
+            top = score.topk(min(cap, score.shape[-1]), dim=-1).indices
+            keep = torch.zeros_like(valid).scatter_(-1, top, True) & valid
+        return list(keep.split([t.num_tokens for _, t in tiers], dim=-1))
 
     def protected(self, pos: torch.Tensor, valid: torch.Tensor, seen: int) -> torch.Tensor:
         out = torch.zeros_like(valid)
@@ -150,6 +234,54 @@ class EvictStage(Stage):
             ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
             kth = ranked[..., min(self.spec.n_sink, ranked.shape[-1]) - 1 : min(self.spec.n_sink, ranked.shape[-1])]
             out = out | (valid & (pos <= kth))
-        if self.spec.recent:
-            out = out | (valid & (pos >= seen - self.spec.recent))
+        if self.recent:
+            out = out | (valid & (pos >= seen - self.recent))
         return out
+
+
+def block_keep(
+    score: torch.Tensor,
+    pos: torch.Tensor,
+    protected: torch.Tensor,
+    block_size: int,
+    budget_blocks: int,
+    aggregate: str = "mean",
+) -> torch.Tensor:
+    """Algorithm 1 (PagedEviction-style block eviction) for every (row, head) at once -> keep mask [B, H, T].
+
+    The real tokens of a row (``pos >= 0``), in position order, form blocks of ``block_size`` (the last one may be
+    partial: it is being filled). While there are more than ``budget_blocks`` blocks, the newest block is protected,
+    every other block is scored by the ``aggregate`` of its tokens' scores, and the lowest-scored block leaves —
+    evicting k blocks at once is the same as k rounds, because removing a whole block does not change the others.
+    Blocks holding a ``protected`` token leave only after every unprotected block.
+    """
+    valid = pos >= 0
+    b, h, t = pos.shape
+    big = torch.iinfo(pos.dtype).max
+    order = torch.where(valid, pos, torch.full_like(pos, big)).argsort(dim=-1, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t, device=pos.device).expand(b, h, t))
+    n_blocks_max = -(-t // block_size)
+    block = torch.where(valid, rank // block_size, torch.full_like(rank, n_blocks_max))  # extra slot: padding
+    slots = n_blocks_max + 1
+    counts = torch.zeros(b, h, slots, device=pos.device).scatter_add_(-1, block, valid.float())
+    filled = torch.where(valid, score.double(), torch.zeros_like(score, dtype=torch.float64))
+    if aggregate == "mean":
+        agg = torch.zeros(b, h, slots, dtype=torch.float64, device=pos.device).scatter_add_(-1, block, filled)
+        agg = agg / counts.clamp_min(1)
+    else:
+        fill = math.inf if aggregate == "min" else -math.inf
+        agg = torch.full((b, h, slots), fill, dtype=torch.float64, device=pos.device)
+        agg = agg.scatter_reduce(-1, block, filled, reduce="amin" if aggregate == "min" else "amax", include_self=True)
+    has_protected = torch.zeros(b, h, slots, device=pos.device).scatter_reduce(
+        -1, block, (protected & valid).float(), reduce="amax", include_self=True
+    )
+    n_valid = valid.sum(-1, keepdim=True)
+    n_blocks = (n_valid + block_size - 1) // block_size
+    ids = torch.arange(slots, device=pos.device).expand(b, h, slots)
+    agg = torch.where(has_protected > 0, torch.full_like(agg, torch.finfo(torch.float64).max), agg)
+    # the newest block and nonexistent blocks are never candidates
+    agg = torch.where(ids >= n_blocks - 1, torch.full_like(agg, math.inf), agg)
+    n_evict = (n_blocks - budget_blocks).clamp_min(0)
+    block_rank = torch.empty_like(ids).scatter_(-1, agg.argsort(dim=-1, stable=True), ids.contiguous())
+    evicted = block_rank < n_evict
+    return valid & ~evicted.gather(-1, block)

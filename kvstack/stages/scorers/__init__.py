@@ -2,7 +2,13 @@
 
 A scorer turns what a layer holds (and, when it asks, the attention of the current forward) into one score per stored
 token — higher means keep. The ``evict`` stage owns everything else: budgets, protected sets (sinks, recent window),
-granularity (tokens or blocks) and the physical selection, so a new policy is only its scoring rule.
+granularity (tokens or blocks), GQA reduction, head-wise or shared selection and the physical removal, so a new policy
+is only its scoring rule.
+
+Scores come back per KV head ``[B, Hkv, T]`` (per-query-head statistics are reduced over each GQA group with the
+spec's ``group_reduce`` by :meth:`Scorer.to_kv_heads`) or shared ``[B, 1, T]``. Attention-based scorers read the stack's :class:`AttentionStats` (never an
+eager attention of their own); :func:`aligned` maps a per-key statistic of the attention call onto the tier's tokens
+as they are now (an earlier stage or the sliding-window drop may have moved tokens since).
 """
 
 from __future__ import annotations
@@ -14,18 +20,19 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from kvstack.stack.attention import AttentionStats, StatsRequest
     from kvstack.stack.cache import StackLayer
+    from kvstack.stack.shape import ModelShape
     from kvstack.stack.tiers import ExactTier
 
 _SCORERS: dict[str, type["Scorer"]] = {}
 
 
 class Scorer:
-    """Base class. ``head_wise``: scores differ per KV head (each head keeps its own tokens)."""
+    """Base class. ``head_wise``: by default each KV head keeps its own tokens (the spec's ``head_wise`` overrides)."""
 
     name: ClassVar[str] = ""
     head_wise: ClassVar[bool] = False
 
-    def __init__(self, spec, shape) -> None:
+    def __init__(self, spec, shape: "ModelShape") -> None:
         self.spec = spec
         self.shape = shape
 
@@ -36,9 +43,25 @@ class Scorer:
     def observe(self, layer: "StackLayer", stats: "AttentionStats") -> None:
         """Called after every attention of the layer (accumulate running statistics here)."""
 
-    def scores(self, layer: "StackLayer", tier_index: int, tier: "ExactTier") -> torch.Tensor:
-        """[B, 1 or Hkv, T] scores of the tokens of one exact tier; higher = more important."""
+    def scores(self, layer: "StackLayer", tier_index: int, tier: "ExactTier", stats: "AttentionStats") -> torch.Tensor:
+        """[B, 1 | Hkv, T] scores of the tokens of one exact tier; higher = more important."""
         raise NotImplementedError
+
+    def to_kv_heads(self, layer: "StackLayer", x: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, T] per query head -> [B, Hkv, T]: reduce each GQA group with the spec's ``group_reduce``."""
+        kv = layer.shape_heads()
+        if x.shape[1] == kv or x.shape[1] == 1:
+            return x
+        g = x.reshape(x.shape[0], kv, x.shape[1] // kv, x.shape[-1])
+        return g.amax(2) if self.spec.group_reduce == "max" else g.mean(2)
+
+    def protected_recent(self) -> int:
+        """Newest positions this policy needs kept (SnapKV's observation window), on top of the spec's ``recent``."""
+        return 0
+
+    def record_bytes_per_token(self, shape: "ModelShape") -> int:
+        """Bytes of per-token records this scorer keeps in ``tier.token_data`` (counted in the memory bound)."""
+        return 0
 
 
 def register_scorer(cls: type[Scorer]) -> type[Scorer]:
@@ -64,3 +87,32 @@ def _load() -> None:
 
     for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
         importlib.import_module(info.name)
+
+
+def aligned(
+    stats: "AttentionStats", layer: "StackLayer", tier_index: int, per_tier: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """A per-key statistic of the attention call (``per_tier[i]`` [B, H, T_i] over tier i's tokens then) for the
+    tokens tier ``tier_index`` holds now, matched by absolute position; tokens the attention did not see get 0."""
+    tier = layer.tiers[tier_index]
+    if stats.key_positions[tier_index] is tier.positions:  # untouched since the attention call: same slots
+        return per_tier[tier_index]
+    ref = next(x for x in per_tier if x is not None)
+    b, heads = ref.shape[0], max(ref.shape[1], tier.positions.shape[1])
+    dump = layer.seen  # slot for empty positions
+    buf = ref.new_zeros(b, heads, layer.seen + 1)
+    for x, pos in zip(per_tier, stats.key_positions):
+        if x is None:
+            continue
+        idx = pos.long().expand(b, heads, -1)
+        buf.scatter_(-1, torch.where(idx >= 0, idx, dump), x.expand(b, heads, -1))
+    now = tier.positions.long().expand(b, heads, -1)
+    out = buf.gather(-1, torch.where(now >= 0, now, dump))
+    return torch.where(now >= 0, out, torch.zeros_like(out))
+
+
+def tier_keys_values(tier: "ExactTier") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's key and value [B, Hkv, T, D] in full precision (dequantized by the tier)."""
+    b = tier.positions.shape[0]
+    index = torch.arange(tier.num_tokens, device=tier.positions.device).expand(b, 1, -1)
+    return tier.gather(index)

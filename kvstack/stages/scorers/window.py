@@ -16,5 +16,5 @@ from . import Scorer, register_scorer
 class WindowScorer(Scorer):
     name = "window"
 
-    def scores(self, layer, tier_index, tier) -> torch.Tensor:
+    def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
         return tier.positions.to(torch.float32)

@@ -1,0 +1,158 @@
+"""One-call apply: generate uses the stack, remove restores, failures leave the model untouched, cache contracts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from archs import tiny_model
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+import kvstack
+from kvstack import CacheUsageError, KVStackCache, SpecError, UnsupportedModelError
+
+
+def test_generate_uses_a_fresh_stack_cache_without_arguments(monkeypatch):
+    model = tiny_model("llama")
+    created = []
+    original = KVStackCache.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(KVStackCache, "__init__", spy)
+    kvstack.apply(model, "streaming")
+    ids = torch.randint(3, 128, (1, 5))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert len(created) == 2 and created[0] is not created[1]
+    assert created[0].get_seq_length() == 7
+    kvstack.remove(model)
+
+
+def test_remove_restores_attention_and_generate():
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    kvstack.apply(model, "identity")
+    assert model.config._attn_implementation == "kvstack"
+    kvstack.remove(model)
+    assert model.config._attn_implementation == before
+    assert "generate" not in model.__dict__
+    with pytest.raises(CacheUsageError, match="not prepared"):
+        kvstack.remove(model)
+
+
+def test_context_manager_removes_on_error():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError):
+        with kvstack.applied(model, "identity"):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_failed_apply_leaves_model_unchanged(monkeypatch):
+    model = tiny_model("qwen2")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def explode(self, model, calibration=None):
+        raise RuntimeError("surgery failed")
+
+    from kvstack.stages.evict import EvictSpec
+
+    monkeypatch.setattr(EvictSpec, "modifies_model", True)
+    monkeypatch.setattr(EvictSpec, "prepare_model", explode)
+    with pytest.raises(RuntimeError, match="surgery failed"):
+        kvstack.apply(model, "streaming")
+    assert model.config._attn_implementation == "sdpa"
+    assert "generate" not in model.__dict__ and not hasattr(model, "_kvstack_applied")
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_invalid_spec_is_rejected_before_touching_the_model():
+    model = tiny_model("llama")
+    with pytest.raises(SpecError):
+        kvstack.apply(model, {"stages": [{"kind": "evict"}]})
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_architecture_lists_supported():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(UnsupportedModelError) as info:
+        kvstack.apply(model, "identity")
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Gemma3"):
+        assert family in str(info.value)
+
+
+def test_cache_for_needs_apply_and_accepts_another_spec():
+    model = tiny_model("llama")
+    with pytest.raises(CacheUsageError, match="apply"):
+        kvstack.cache_for(model)
+    with kvstack.applied(model, "identity"):
+        cache = kvstack.cache_for(model, "streaming")
+        assert cache.spec.name == "streaming"
+
+
+def test_both_cache_argument_names_work():
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, 128, (1, 10))
+    with kvstack.applied(model, "identity"):
+        a = model(ids, cache=kvstack.cache_for(model)).logits
+        with pytest.warns(Warning):
+            b = model(ids, past_key_values=kvstack.cache_for(model)).logits
+    assert torch.equal(a, b)
+
+
+def test_seq_length_counts_tokens_seen_not_kept():
+    model = tiny_model("llama")
+    with kvstack.applied(model, {"budget": {"tokens": 6}, "stages": [{"kind": "evict", "n_sink": 2}]}):
+        cache = kvstack.cache_for(model)
+        model(torch.randint(3, 128, (1, 20)), cache=cache)
+        assert cache.get_seq_length() == 20
+        assert int(cache.layers[0].kept_counts().max()) == 6
+
+
+def test_stack_cache_without_stack_attention_is_an_error():
+    model = tiny_model("llama")
+    with kvstack.applied(model, "identity"):
+        cache = kvstack.cache_for(model)
+    ids = torch.randint(3, 128, (1, 4))
+    with pytest.raises(CacheUsageError):
+        model(ids, cache=cache)
+        model(ids, cache=cache)
+
+
+def test_plain_cache_with_stack_attention_is_an_error():
+    model = tiny_model("llama")
+    with kvstack.applied(model, "identity"):
+        with pytest.raises(CacheUsageError, match="KVStackCache"):
+            model(torch.randint(3, 128, (1, 4)), cache=DynamicCache(config=model.config))
+
+
+def test_reorder_and_batch_select_act_on_all_tiers():
+    model = tiny_model("llama")
+    with kvstack.applied(model, "streaming"):
+        cache = kvstack.cache_for(model)
+        model(torch.randint(3, 128, (3, 10)), cache=cache)
+        keys = cache.layers[0].full.keys.clone()
+        cache.reorder_cache(torch.tensor([2, 0, 1]))
+        assert torch.equal(cache.layers[0].full.keys, keys[[2, 0, 1]])
+        cache.batch_select_indices(torch.tensor([1]))
+        assert torch.equal(cache.layers[0].full.keys, keys[[0]])
+        assert cache.layers[0].full.positions.shape[0] == 1
+        cache.batch_repeat_interleave(2)
+        assert cache.layers[0].full.keys.shape[0] == 2
+        with pytest.raises(CacheUsageError, match="crop"):
+            cache.crop(-1)
+
+
+def test_memory_report_breaks_down_by_layer_and_tier():
+    model = tiny_model("llama")
+    with kvstack.applied(model, "identity"):
+        cache = kvstack.cache_for(model)
+        model(torch.randint(3, 128, (2, 12)), cache=cache)
+    report = cache.memory_report()
+    assert report["total_bytes"] == cache.memory_bytes() == sum(sum(r.values()) for r in report["by_layer"])
+    assert report["full_cache_bytes"] == kvstack.full_cache_bytes(model.config, 12, batch=2)
+    # the identity stack pays only for positions: one int32 per token and row
+    assert report["total_bytes"] - report["full_cache_bytes"] == 2 * 12 * 4 * len(cache.layers)
+
