@@ -64,11 +64,17 @@ def validate(file: Path = typer.Argument(..., help="YAML stack file.")) -> None:
 
 
 @app.command()
-def schema(out: Optional[Path] = typer.Option(None, help="Write the JSON schema here instead of stdout.")) -> None:
-    """Print the JSON schema of stack files (for editor validation of presets)."""
+def schema(
+    out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
+    format: str = typer.Option("json", help="json (for editors) or markdown (docs/spec-reference.md)."),
+) -> None:
+    """Print the JSON schema of stack files (for editor validation), or the markdown spec reference."""
     from kvstack import StackSpec
+    from kvstack.stack import spec_doc
 
-    text = json.dumps(StackSpec.model_json_schema(), indent=2)
+    if format not in ("json", "markdown"):
+        _fail(f"--format {format!r} is not allowed: json or markdown")
+    text = json.dumps(StackSpec.model_json_schema(), indent=2) if format == "json" else spec_doc.render().rstrip("\n")
     if out:
         out.write_text(text + "\n")
     else:

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from kvstack.bench.protocol import data_path, load_model, load_passages, model_path
+# Triton kernels run under the interpreter on CPU-only machines; this must be set before triton is first imported.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from kvstack.bench.protocol import data_path, load_model, load_passages, model_path  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -1,9 +1,9 @@
 """The ``kvstack bench`` picture: quality (KL vs. the full cache, log scale) against measured memory ratio.
 
 One curve per preset family (its ratio runs joined in memory order), baselines as single markers, and the run's
-Pareto front (no other row has both less memory and lower KL) drawn as a dashed line through ringed points. KL 0
-(the full cache, the identity stack) cannot sit on a log axis, so every KL is floored at a tenth of the smallest
-positive KL of the run; the axis label says so. Rendered with matplotlib's Agg canvas (no display, no global
+Pareto front (no other row has both less memory and lower KL) drawn as a dashed line through ringed points. A KL at
+float-rounding level (the full cache, the identity stack: below ``EXACT_KL``) would stretch the log axis over ten
+decades of noise, so every KL is floored at a tenth of the smallest KL above that level; the axis label says so. Rendered with matplotlib's Agg canvas (no display, no global
 pyplot state) to a PNG.
 """
 
@@ -14,13 +14,15 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
+EXACT_KL = 1e-9  # nats/token: what float rounding leaves between two uncompressed runs
 BASELINE_MARKERS = {"full-cache": "*", "QuantizedCache": "s"}
 
 
 def kl_floor(kls: list[float]) -> float:
-    positive = [k for k in kls if k > 0]
-    return min(positive) / 10 if positive else 1e-6
+    measurable = [k for k in kls if k > EXACT_KL]
+    return min(measurable) / 10 if measurable else 1e-6
 
 
 def plot_quality_vs_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
@@ -56,9 +58,12 @@ def plot_quality_vs_memory(rows: list[dict], path: str | Path, title: str = "") 
         ax.scatter(fx, fy, s=180, facecolors="none", edgecolors="black", linewidths=1.2, zorder=4)
 
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yscale("log")
     ax.set_xlabel("memory ratio (cache bytes after the prefix / full cache, same tokens)")
     ax.set_ylabel(f"KL vs. full cache (nats/token, floored at {floor:.1e})")
+    ax.set_ylim(bottom=floor / 2)
     ax.set_title(title or "quality vs. memory")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
