@@ -162,6 +162,36 @@ def bench(
     typer.echo(f"\nwrote {out / harness.RESULTS_FILE} and {out / harness.PLOT_FILE}")
 
 
+@app.command()
+def calibrate(
+    model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
+    preset: str = typer.Option(..., help="Preset or YAML file with `evict` and `lowrank` stages (its budget and rank)."),
+    data: Path = typer.Option(..., help="JSONL file of calibration passages, one {\"text\": ...} per line."),
+    out: Path = typer.Option(..., help="Kernels file to write (.safetensors); reference it as `kernels:`."),
+    start: int = typer.Option(32, min=0, help="First passage used (the default skips the 32 evaluation passages)."),
+    passages: int = typer.Option(32, min=1, help="Number of calibration passages."),
+    steps: int = typer.Option(300, min=1, help="Adam steps."),
+    hidden: int = typer.Option(16, min=1, help="Hidden width of the kernel MLPs."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Train learned LESS kernels for `kind: lowrank, features: learned` (docs/lowrank.md)."""
+    from kvstack import KVStackError
+    from kvstack.stages.lowrank_learned import calibrate_file
+
+    if not model.is_dir():
+        _fail(f"--model {str(model)!r} is not a directory holding a Hugging Face model")
+    if not data.is_file():
+        _fail(f"--data {str(data)!r} is not a file")
+    try:
+        summary = calibrate_file(model, preset, data, out, start=start, passages=passages, steps=steps,
+                                 hidden=hidden, progress=progress)
+    except KVStackError as err:
+        _fail(str(err))
+    for layer, before, after in zip(summary["layers"], summary["relative_error_random"],
+                                    summary["relative_error_learned"]):
+        typer.echo(f"layer {layer}: attention error vs eviction alone {before:.3f} (random) -> {after:.3f} (learned)")
+    typer.echo(f"wrote {out}")
+
 def main() -> None:  # pragma: no cover
     app()
 

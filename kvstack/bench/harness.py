@@ -41,6 +41,7 @@ FULL_CACHE = "full-cache"
 QUANTIZED_FAMILY = "QuantizedCache"
 #: backend -> bit widths tried (quanto and hqq are group-wise integer quantizers; fp8 is per-tensor float8)
 QUANTIZED_BACKENDS = {"quanto": (4, 2), "hqq": (4, 2), "fp8": (8,)}
+EXACT_KL = 1e-9  # nats/token: what float rounding leaves between two uncompressed runs (counts as 0)
 RESULTS_FILE = "results.json"
 PLOT_FILE = "quality_vs_memory.png"
 
@@ -120,7 +121,8 @@ def preset_runs(presets: list[str], ratios: tuple[float, ...] | list[float]) -> 
         family = Path(source).stem  # a preset name, or a YAML file's stem
         if ratios and takes_budget(spec):
             for r in ratios:
-                runs.append(Run(f"{family}@{r:g}", family, "preset", with_ratio(spec, r), source=source, ratio_target=r))
+                ratio_spec = with_ratio(spec, r)
+                runs.append(Run(f"{family}@{r:g}", family, "preset", ratio_spec, source=source, ratio_target=r))
         else:
             runs.append(Run(family, family, "preset", spec, source=source))
     return runs
@@ -156,11 +158,20 @@ def quantized_baselines() -> tuple[list[Run], dict[str, str]]:
 
 
 def pareto_flags(points: list[tuple[float, float]]) -> list[bool]:
-    """For (memory ratio, KL) points: True where no other point is at most as large in both and smaller in one."""
+    """For (memory ratio, KL) points: True where no other point is at most as large in both and smaller in one.
+    KLs up to ``EXACT_KL`` count as 0, so rounding noise does not put a bigger exact cache on the front."""
+    points = [(m, k if k > EXACT_KL else 0.0) for m, k in points]
     return [
         not any(m2 <= m and k2 <= k and (m2 < m or k2 < k) for m2, k2 in points)
         for m, k in points
     ]
+
+
+def check_protocol(protocol_name: str, prefix: int, decode_prefill: int) -> None:
+    if protocol_name not in protocol.PROTOCOLS:
+        raise ValueError(f"protocol={protocol_name!r} is not allowed: one of {', '.join(protocol.PROTOCOLS)}")
+    if protocol_name == "decode" and not 0 < decode_prefill < prefix:
+        raise ValueError(f"decode_prefill={decode_prefill} is not allowed: 0 < decode_prefill < prefix ({prefix})")
 
 
 def run_bench(
@@ -179,10 +190,7 @@ def run_bench(
     """Evaluate the baselines and every preset run on ``passages``; references are computed once and shared."""
     from tqdm.auto import tqdm
 
-    if protocol_name not in protocol.PROTOCOLS:
-        raise ValueError(f"protocol={protocol_name!r} is not allowed: one of {', '.join(protocol.PROTOCOLS)}")
-    if protocol_name == "decode" and not 0 < decode_prefill < prefix:
-        raise ValueError(f"decode_prefill={decode_prefill} is not allowed: 0 < decode_prefill < prefix ({prefix})")
+    check_protocol(protocol_name, prefix, decode_prefill)
     ids_list = [torch.tensor(tokenizer(text)["input_ids"][:max_len]) for text in passages]
     for i, ids in enumerate(ids_list):
         if ids.shape[0] <= prefix:
@@ -282,18 +290,29 @@ def bench(
     out: str | Path,
     *,
     passages: int = 32,
-    **options,
+    ratios: tuple[float, ...] | list[float] = DEFAULT_RATIOS,
+    protocol_name: str = "prefill",
+    prefix: int = 384,
+    max_len: int = 512,
+    decode_prefill: int = 16,
+    progress: bool = True,
 ) -> BenchResult:
     """Load the model and passages, :func:`run_bench`, and write ``results.json`` and the plot into ``out``."""
     from .plot import plot_quality_vs_memory
 
     model_path, data_path, out = Path(model_path), Path(data_path), Path(out)
+    check_protocol(protocol_name, prefix, decode_prefill)  # option errors before the model loads
+    preset_runs(presets, ratios)
     texts = protocol.load_passages(data_path, passages)
     if len(texts) < passages:
         raise ValueError(f"passages={passages} is not allowed: {data_path} holds only {len(texts)} passages")
     model, tokenizer = protocol.load_model(model_path)
-    result = run_bench(model, tokenizer, texts, presets, **options)
-    result.metadata = {"model": model_path.name, "model_path": str(model_path), "data": str(data_path)} | result.metadata
+    result = run_bench(
+        model, tokenizer, texts, presets, ratios=ratios, protocol_name=protocol_name, prefix=prefix, max_len=max_len,
+        decode_prefill=decode_prefill, progress=progress,
+    )
+    paths = {"model": model_path.name, "model_path": str(model_path), "data": str(data_path)}
+    result.metadata = paths | result.metadata
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     title = f"{model_path.name}, {len(texts)} passages, protocol {result.metadata['protocol']}"

@@ -3,8 +3,8 @@
 One curve per preset family (its ratio runs joined in memory order), baselines as single markers, and the run's
 Pareto front (no other row has both less memory and lower KL) drawn as a dashed line through ringed points. A KL at
 float-rounding level (the full cache, the identity stack: below ``EXACT_KL``) would stretch the log axis over ten
-decades of noise, so every KL is floored at a tenth of the smallest KL above that level; the axis label says so. Rendered with matplotlib's Agg canvas (no display, no global
-pyplot state) to a PNG.
+decades of noise, so every KL is floored at a tenth of the smallest KL above that level; the axis label says so.
+Rendered with matplotlib's Agg canvas (no display, no global pyplot state) to a PNG.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-EXACT_KL = 1e-9  # nats/token: what float rounding leaves between two uncompressed runs
+from .harness import EXACT_KL
 BASELINE_MARKERS = {"full-cache": "*", "QuantizedCache": "s"}
 
 

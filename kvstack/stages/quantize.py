@@ -1,0 +1,363 @@
+"""``kind: quantize`` — KIVI: bit-packed asymmetric 2/4/8-bit KV cache with a full-precision residual window.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024 (arXiv 2402.02750).
+Min-max quantization per group (``kvstack/kernels/quant_pack.py``: ``s = (max - min) / (2^b - 1)``, codes packed
+``8 / b`` per byte, scale and zero point stored in the model dtype). Keys are quantized per channel (a group spans
+``group_size`` tokens of one channel: key outliers live in fixed channels), values per token (a group spans
+``value_group_size`` channels of one token). Keys are quantized after RoPE (the cache receives post-RoPE keys).
+
+Parameters: ``bits`` (2, 4, 8; 16 = no quantization, the identity), ``group_size`` (tokens per key group),
+``value_group_size`` (channels per value group; default ``group_size``; ``head_dim``: one group per token and head),
+``residual`` (newest tokens kept in full precision, a multiple of ``group_size``).
+
+Flow inside the stack: new tokens arrive in the full tier; after each attention the stage moves the oldest
+full-precision tokens beyond ``residual`` into its :class:`QuantizedTier`, ``group_size`` at a time, so the full tier
+holds between ``residual`` and ``residual + group_size - 1`` tokens. KIVI moves values token by token (FIFO); here a
+token's key and value move together (one tier, one position per slot): values wait with their key for at most
+``group_size - 1`` steps, which costs those values' full-precision bytes and no accuracy.
+
+Attention dequantizes inside ``logits`` / ``mix`` (temporaries of one call; no dequantized copy is kept).
+
+Removing tokens from the quantized tier (an ``evict`` stage, a sliding window, beam selection): values are per token
+and move exactly. A key group loses only the removed tokens' slots, which become holes (exact, no re-quantization);
+a group with no token left is dropped. When the holes of a (row, head) reach ``group_size`` — one group's worth of
+wasted bytes — the tokens of the groups with holes are dequantized and re-quantized together into as few groups as
+possible (groups without holes keep their codes). That re-quantization adds at most half of the new group's scale
+to those keys' error. So every (row, head) holds ``group_size * ceil(kept / group_size)`` slots, which
+``plan_memory`` counts exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from kvstack.kernels.quant_pack import PACK_FACTOR, QuantizedGroups, dequantize, quantize
+from kvstack.stack.base import Stage, StageSpec, spec_error
+from kvstack.stack.errors import KVStackError
+from kvstack.stack.memory import POSITION_BYTES, TierPlan, _itemsize
+from kvstack.stack.registry import register_stage
+from kvstack.stack.tiers import EMPTY, ExactTier, gather_records, gather_tokens
+
+QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class QuantizationError(KVStackError, ValueError):
+    """A tensor could not be quantized (NaN/Inf in the keys or values, or a range beyond float32)."""
+
+
+def check_quant_params(bits: int, group_size: int, value_group, residual: int | None) -> None:
+    """Shape-independent checks shared by ``quantize`` and ``quantized_prune``."""
+    pf = PACK_FACTOR[bits]
+    if group_size % pf:
+        raise spec_error("group_size", group_size, f"a multiple of {pf} for bits={bits} ({pf} codes per byte)")
+    if isinstance(value_group, int) and value_group % pf:
+        raise spec_error("value_group_size", value_group, f"a multiple of {pf} for bits={bits} ({pf} codes per byte)")
+    if residual is not None and residual % group_size:
+        raise spec_error(
+            "residual", residual, f"a multiple of group_size={group_size} (keys leave the residual a group at a time)"
+        )
+
+
+def check_quant_shape(shape, bits: int, value_group) -> None:
+    if shape.dtype not in QUANT_DTYPES:
+        raise spec_error(
+            "bits", bits, f"16 for a {shape.dtype} model (quantization supports float32, float16 and bfloat16 models)"
+        )
+    vg = shape.value_dim if value_group == "head_dim" else value_group
+    if shape.value_dim % vg:
+        raise spec_error(
+            "value_group_size", vg, f"a divisor of the model's head_dim={shape.value_dim} (value groups span channels)"
+        )
+    if vg % PACK_FACTOR[bits]:
+        raise spec_error("value_group_size", vg, f"a multiple of {PACK_FACTOR[bits]} for bits={bits}")
+
+
+def quantized_slot_bytes(shape, dtype, bits: int, group_size: int, value_group: int, extra_per_slot: int):
+    """Cost of ``n`` tokens in a quantized tier per batch row (all KV heads): ``group_size * ceil(n / group_size)``
+    slots of codes + per-group scale and zero (keys) + per-token scale and zero (values) + ``extra_per_slot``
+    (positions and per-token records)."""
+    e = _itemsize(dtype)
+    h, dk, dv = shape.num_kv_heads, shape.head_dim, shape.value_dim
+
+    def cost(n: int) -> int:
+        slots = group_size * math.ceil(n / group_size)
+        keys = slots * dk * bits // 8 + 2 * e * (slots // group_size) * dk
+        values = slots * dv * bits // 8 + 2 * e * slots * (dv // value_group)
+        return h * (keys + values) + slots * extra_per_slot
+
+    return cost
+
+
+class QuantizedTier(ExactTier):
+    """Tokens with bit-packed keys (per-channel groups of ``group_size`` slots) and values (per-token groups).
+
+    Tensors (batch first): ``key_codes`` uint8 [B, Hkv, T / pf, Dk], ``key_scale`` / ``key_zero`` [B, Hkv, T / G, Dk],
+    ``value_codes`` uint8 [B, Hkv, T, Dv / pf], ``value_scale`` / ``value_zero`` [B, Hkv, T, Dv / Gv] (model dtype),
+    ``positions`` [B, 1 | Hkv, T] and ``token_data``. ``T`` is always a multiple of ``G``; empty slots (holes)
+    have position -1.
+    """
+
+    _tensor_names = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "positions")
+
+    def __init__(self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str):
+        self.name = name
+        self.bits = bits
+        self.group_size = group_size
+        self.value_group = value_group
+        self.dtype = dtype
+        self.label = label
+        self.token_data = {}
+        for n in self._tensor_names:
+            setattr(self, n, None)
+
+    # ----------------------------------------------------------------------------------- packed views
+    def _keys(self) -> QuantizedGroups:
+        b, h, _, d = self.key_codes.shape
+        shape = (b, h, self.num_tokens, d)
+        return QuantizedGroups(self.key_codes, self.key_scale, self.key_zero, self.bits, self.group_size, "token", shape)
+
+    def _values(self) -> QuantizedGroups:
+        b, h, t, packed = self.value_codes.shape
+        shape = (b, h, t, packed * PACK_FACTOR[self.bits])
+        return QuantizedGroups(
+            self.value_codes, self.value_scale, self.value_zero, self.bits, self.value_group, "channel", shape
+        )
+
+    def _quantize(self, x: torch.Tensor, group: int, axis: str, what: str) -> QuantizedGroups:
+        try:
+            return quantize(x.to(self.dtype).contiguous(), self.bits, group, axis)
+        except ValueError as err:
+            raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None
+
+    # ------------------------------------------------------------------------------- attention side
+    def logits(self, query, scaling):
+        keys = dequantize(self._keys(), query.dtype)  # temporary of this call only
+        return torch.matmul(query, keys.transpose(-1, -2)) * scaling
+
+    def mix(self, weights):
+        return torch.matmul(weights, dequantize(self._values(), weights.dtype))
+
+    def gather(self, index):
+        return gather_tokens(dequantize(self._keys()), index), gather_tokens(dequantize(self._values()), index)
+
+    def bytes_per_token(self) -> float:
+        h, dk = self.key_codes.shape[1], self.key_codes.shape[-1]
+        dv = self.value_codes.shape[-1] * PACK_FACTOR[self.bits]
+        e = self.key_scale.element_size()
+        codes = h * (dk + dv) * self.bits / 8
+        scales = h * 2 * e * (dk / self.group_size + dv / self.value_group)
+        records = sum(v.shape[1] * v.element_size() for v in self.token_data.values())
+        return codes + scales + self.positions.shape[1] * self.positions.element_size() + records
+
+    # ---------------------------------------------------------------------------------- storage side
+    def append(self, keys, values, positions, records=None) -> None:
+        records = dict(records or {})
+        # real tokens first in every (row, head), so they fill whole groups; empty slots repeat a real token's key
+        # and value so they never widen a group's range
+        valid = positions >= 0
+        order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)
+        last = (valid.sum(-1, keepdim=True) - 1).clamp_min(0)
+        source = torch.where(valid.gather(-1, order), order, order.gather(-1, last))
+        keys, values = gather_tokens(keys, source), gather_tokens(values, source)
+        positions = positions.gather(-1, order)
+        records = {k: gather_records(v, order) for k, v in records.items()}
+        n = keys.shape[-2]
+        pad = (-n) % self.group_size
+        if pad:
+            keys = torch.cat([keys, keys[..., -1:, :].expand(-1, -1, pad, -1)], dim=-2)
+            values = torch.cat([values, values[..., -1:, :].expand(-1, -1, pad, -1)], dim=-2)
+            positions = torch.cat([positions, positions.new_full((*positions.shape[:-1], pad), EMPTY)], dim=-1)
+            records = {k: torch.cat([v, v.new_zeros(*v.shape[:-1], pad)], dim=-1) for k, v in records.items()}
+        qk = self._quantize(keys, self.group_size, "token", "keys")
+        qv = self._quantize(values, self.value_group, "channel", "values")
+        if self.positions is None:
+            self.key_codes, self.key_scale, self.key_zero = qk.packed, qk.scale, qk.zero
+            self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
+            self.positions = positions.to(torch.int32)
+        else:
+            if positions.shape[1] != self.positions.shape[1]:
+                hp = max(positions.shape[1], self.positions.shape[1])
+                positions, self.positions = positions.expand(-1, hp, -1), self.positions.expand(-1, hp, -1)
+            qk = QuantizedGroups.cat_tokens([self._keys(), qk])
+            qv = QuantizedGroups.cat_tokens([self._values(), qv])
+            self.key_codes, self.key_scale, self.key_zero = qk.packed, qk.scale, qk.zero
+            self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
+            self.positions = torch.cat([self.positions, positions.to(self.positions.dtype)], dim=-1)
+        self._append_token_data(n + pad, records)
+        if self._wasteful(self.valid()):
+            self._reorganize(self.valid())
+
+    def select(self, index, slot_valid) -> None:
+        b, hi, _ = index.shape
+        keep = torch.zeros(b, hi, self.num_tokens, dtype=torch.bool, device=index.device)
+        keep.scatter_(-1, index, slot_valid)
+        self._reorganize(keep)
+
+    def _holes(self, keep: torch.Tensor) -> tuple[int, int]:
+        """(largest number of empty slots in the groups that still hold a token, most such groups) over (row, head)."""
+        if not keep.numel():
+            return 0, 0
+        g = self.group_size
+        nonempty = (keep.reshape(*keep.shape[:-1], -1, g).sum(-1) > 0).sum(-1)
+        return int((nonempty * g - keep.sum(-1)).max()), int(nonempty.max())
+
+    def _wasteful(self, keep: torch.Tensor) -> bool:
+        """True when dropping empty groups or merging the groups with holes would free at least one group."""
+        holes, groups = self._holes(keep)
+        return holes >= self.group_size or groups * self.group_size < self.num_tokens
+
+    def _reorganize(self, keep: torch.Tensor) -> None:
+        """Keep the slots ``keep`` [B, 1 | Hkv, T]: whole groups move exactly, emptied groups leave, and once the
+        holes reach a group, the groups with holes are merged and re-quantized (module docstring)."""
+        g, t = self.group_size, self.num_tokens
+        width = max(keep.shape[1], self.positions.shape[1])
+        keep = (keep & self.valid()).expand(-1, width, -1)
+        b = keep.shape[0]
+        per_group = keep.reshape(b, width, -1, g).sum(-1)  # [B, W, T/G]
+        merge = self._holes(keep)[0] >= g
+        whole = per_group == g if merge else per_group > 0
+        whole_slot = whole.repeat_interleave(g, dim=-1)
+        merged = keep & ~whole_slot
+        slot = torch.arange(t, device=keep.device).expand(b, width, t)
+        # whole groups first (in order), then the merged tokens, then what leaves
+        order = torch.where(whole_slot, slot, torch.where(merged, slot + t, slot + 2 * t)).argsort(dim=-1)
+        n_whole = whole.sum(-1, keepdim=True) * g  # [B, W, 1]
+        n_merged = merged.sum(-1, keepdim=True)
+        groups = whole.sum(-1, keepdim=True) + (n_merged + g - 1) // g
+        t_new = int(groups.max()) * g if groups.numel() else 0
+        src = order[..., :t_new]
+        j = torch.arange(t_new, device=keep.device)
+        in_whole = j < n_whole
+        in_merged = (j >= n_whole) & (j < n_whole + n_merged)
+        new_valid = (in_whole & keep.gather(-1, src)) | in_merged
+
+        # keys: whole groups copy their codes; merged tokens are dequantized and re-quantized together
+        group_src = src[..., ::g] // g  # [B, W, T_new / G]
+        qk = self._keys()
+        h, d = qk.packed.shape[1], qk.packed.shape[-1]
+        per = g // PACK_FACTOR[self.bits]
+        gs = group_src.expand(-1, h, -1)
+        codes = qk.packed.reshape(b, h, -1, per, d).gather(2, gs[..., None, None].expand(-1, -1, -1, per, d))
+        codes = codes.reshape(b, h, -1, d)
+        scale = qk.scale.gather(2, gs[..., None].expand(-1, -1, -1, d))
+        zero = qk.zero.gather(2, gs[..., None].expand(-1, -1, -1, d))
+        if merge and bool(n_merged.any()):
+            last = src.gather(-1, (n_whole + n_merged - 1).clamp(0, max(t_new - 1, 0)))
+            key_src = torch.where(in_merged | in_whole, src, last)  # holes repeat a merged key (no wider range)
+            requant = self._quantize(gather_tokens(dequantize(qk), key_src), g, "token", "keys")
+            copied = (torch.arange(t_new // g, device=keep.device) < whole.sum(-1, keepdim=True)).expand(-1, h, -1)
+            codes = torch.where(copied.repeat_interleave(per, dim=-1)[..., None], codes, requant.packed)
+            scale = torch.where(copied[..., None], scale, requant.scale)
+            zero = torch.where(copied[..., None], zero, requant.zero)
+        self.key_codes, self.key_scale, self.key_zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
+
+        self.value_codes = gather_tokens(self.value_codes, src)
+        self.value_scale = gather_tokens(self.value_scale, src)
+        self.value_zero = gather_tokens(self.value_zero, src)
+        kept_pos = self.positions.expand(-1, width, -1).gather(-1, src)
+        self.positions = torch.where(new_valid, kept_pos, torch.full_like(kept_pos, EMPTY))
+        self.token_data = {k: gather_records(v, src) for k, v in self.token_data.items()}
+
+
+def value_group_for(value_group, group_size: int, shape) -> int:
+    if value_group is None:
+        return group_size
+    return shape.value_dim if value_group == "head_dim" else value_group
+
+
+@register_stage
+class QuantizeSpec(StageSpec):
+    """KIVI: quantize all but the newest ``residual`` tokens to ``bits`` with real bit-packing."""
+
+    kind: Literal["quantize"] = "quantize"
+    bits: Literal[2, 4, 8, 16] = Field(default=2, description="Bits per key/value element (16: no quantization).")
+    group_size: int = Field(default=32, ge=1, description="Tokens per key group (keys are grouped per channel).")
+    value_group_size: int | Literal["head_dim"] | None = Field(
+        default=None,
+        description="Channels per value group (values are grouped per token); default group_size; head_dim: one "
+        "group per token and head.",
+    )
+    residual: int = Field(default=32, ge=0, description="Newest tokens kept in full precision (multiple of group_size).")
+
+    def validate_with(self, stack_budget) -> None:
+        if isinstance(self.value_group_size, int) and self.value_group_size < 1:
+            raise spec_error("value_group_size", self.value_group_size, "a positive int or 'head_dim'")
+        if self.bits != 16:
+            check_quant_params(self.bits, self.group_size, self.value_group_size, self.residual)
+
+    def validate_for(self, shape, stack_budget) -> None:
+        self.validate_with(stack_budget)
+        if self.bits != 16:
+            check_quant_shape(shape, self.bits, value_group_for(self.value_group_size, self.group_size, shape))
+
+    def plan_memory(self, plan, stack_budget) -> None:
+        if self.bits == 16:
+            return
+        shape, g, r = plan.shape, self.group_size, self.residual
+        kv_bytes = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(plan.dtype)
+        for layer, window in zip(plan.layers, shape.layer_windows):
+            full = layer.tier("full")
+            extra = full.bytes_for(1) - kv_bytes  # positions and per-token records move with the tokens
+            cost = quantized_slot_bytes(
+                shape, plan.dtype, self.bits, g, value_group_for(self.value_group_size, g, shape), extra
+            )
+            held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
+            if full.tokens == held and len(layer.tiers) == 1:
+                residual = kivi_residual(plan.seq_len, plan.prefill_len, r, g, window)
+            else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens
+                c = full.tokens
+                residual = max(range(min(c, r + g - 1) + 1), key=lambda x: full.bytes_for(x) + cost(c - x))
+            quantized = full.tokens - residual
+            full.tokens = residual
+            layer.tiers.append(TierPlan("quantized", quantized, cost))
+
+    def build(self, shape, stack_budget) -> "QuantizeStage | None":
+        return None if self.bits == 16 else QuantizeStage(self, shape, stack_budget)
+
+
+def kivi_residual(seen: int, prefill: int, residual: int, group: int, window: int | None) -> int:
+    """Full-precision tokens after ``seen`` tokens, ``prefill`` of them in the first forward and one per forward after,
+    on a layer with an optional sliding window (which drops tokens before the flush)."""
+    held = seen if window is None else min(seen, window - 1)
+    first = prefill if window is None else min(prefill, window - 1)
+    x = first - group * (max(first - residual, 0) // group) + (seen - prefill)
+    if x >= residual + group and held >= residual + group:
+        return residual + (x - residual) % group
+    return min(x, held)
+
+
+class QuantizeStage(Stage):
+    spec: QuantizeSpec
+
+    def __init__(self, spec, shape, stack_budget) -> None:
+        super().__init__(spec, shape, stack_budget)
+        self.value_group = value_group_for(spec.value_group_size, spec.group_size, shape)
+        self.key = f"quantize:{id(self)}"
+
+    def init_layer(self, layer) -> None:
+        tier = QuantizedTier(
+            self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype,
+            label=f"layer {layer.layer_idx}, quantize", name="quantized",
+        )
+        layer.tiers.append(tier)
+        layer.scratch[self.key] = tier
+
+    def after_attention(self, layer, stats) -> None:
+        full = layer.full
+        if not full.num_tokens:
+            return
+        g = self.spec.group_size
+        pos = full.positions
+        valid = pos >= 0
+        flush = ((valid.sum(-1, keepdim=True) - self.spec.residual).clamp_min(0) // g) * g
+        if not bool((flush > 0).any()):
+            return
+        # oldest first by position (the full tier need not be in position order once other stages move tokens)
+        big = torch.iinfo(pos.dtype).max
+        order = torch.where(valid, pos, torch.full_like(pos, big)).argsort(dim=-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
+        layer.demote(full, valid & (rank < flush), layer.scratch[self.key])
