@@ -170,7 +170,7 @@ def calibrate(
     out: Path = typer.Option(..., help="Kernels file to write (.safetensors); reference it as `kernels:`."),
     start: int = typer.Option(32, min=0, help="First passage used (the default skips the 32 evaluation passages)."),
     passages: int = typer.Option(32, min=1, help="Number of calibration passages."),
-    steps: int = typer.Option(300, min=1, help="Adam steps."),
+    steps: int = typer.Option(200, min=1, help="Adam steps."),
     hidden: int = typer.Option(16, min=1, help="Hidden width of the kernel MLPs."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:

@@ -203,7 +203,7 @@ def capture(model, ids_list: list[torch.Tensor]) -> tuple[list[dict], list[int]]
     return out, layers
 
 
-def _recency_masks(length: int, rows: torch.Tensor, caps: torch.Tensor, n_sink: int):
+def recency_masks(length: int, rows: torch.Tensor, caps: torch.Tensor, n_sink: int):
     """For query positions ``rows`` [M] with ``caps`` [M] kept tokens: (kept, evicted) [M, T] under recency eviction
     (the cap's tokens are the n_sink first ones and the newest, the query itself included)."""
     j = torch.arange(length)[None, :]
@@ -214,7 +214,7 @@ def _recency_masks(length: int, rows: torch.Tensor, caps: torch.Tensor, n_sink: 
     return kept, causal & ~kept
 
 
-def _merged(q, k, v, scaling, kept, evicted, log_q=None, log_k=None):
+def merged_attention(q, k, v, scaling, kept, evicted, log_q=None, log_k=None):
     """Attention of q [P, H, M, d] over k/v [P, H, T, d]: exact logits on ``kept``, the kernel on ``evicted``."""
     logits = torch.matmul(q, k.transpose(-1, -2)) * scaling
     if log_q is None:
@@ -255,10 +255,10 @@ def calibrate(
     passages: list[str],
     *,
     hidden: int = 16,
-    steps: int = 300,
-    lr: float = 3e-3,
-    batch: int = 8,
-    queries: int = 128,
+    steps: int = 200,
+    lr: float = 5e-3,
+    batch: int = 4,
+    queries: int = 64,
     max_len: int = 512,
     seed: int = 0,
     progress: bool = True,
@@ -290,14 +290,14 @@ def calibrate(
     if eligible.numel() == 0:
         raise SpecError(f"calibrate: with {length}-token passages the preset's budget never evicts; use longer text")
     pick = eligible[torch.randperm(eligible.numel(), generator=gen)[:queries]].sort().values
-    kept, evicted = _recency_masks(length, pick, caps[pick], n_sink)
+    kept, evicted = recency_masks(length, pick, caps[pick], n_sink)
     kept, evicted = kept.repeat(group, 1), evicted.repeat(group, 1)  # rows g*T + t, as the attention orders them
     rows = torch.cat([pick + g * length for g in range(group)])
     causal = kept | evicted
     for d in data:
         d["q"] = d["q"][:, :, rows]
-        d["target"] = _merged(d["q"], d["k"], d["v"], d["scaling"], causal, None)
-        d["evict_err"] = (_merged(d["q"], d["k"], d["v"], d["scaling"], kept, evicted) - d["target"]).pow(2).mean()
+        d["target"] = merged_attention(d["q"], d["k"], d["v"], d["scaling"], causal, None)
+        d["evict_err"] = (merged_attention(d["q"], d["k"], d["v"], d["scaling"], kept, evicted) - d["target"]).pow(2).mean()
 
     kernels = LearnedKernels(shape.num_layers, shape.num_kv_heads, shape.head_dim, rank, hidden, seed=init_seed)
     opt = torch.optim.Adam(kernels.parameters(), lr=lr)
@@ -308,13 +308,18 @@ def calibrate(
             q, k, v = d["q"][idx], d["k"][idx], d["v"][idx]
             lq = kernels.log_features("q", layer, q, d["scaling"])
             lk = kernels.log_features("k", layer, k, d["scaling"])
-            out = _merged(q, k, v, d["scaling"], kept, evicted, lq, lk)
+            out = merged_attention(q, k, v, d["scaling"], kept, evicted, lq, lk)
             errs.append((out - d["target"][idx]).pow(2).mean() / d["evict_err"])
         return errs
 
-    every = torch.arange(len(ids_list))
-    with torch.no_grad():
-        before = [float(e) for e in relative_errors(every)]
+    def mean_errors() -> list[float]:
+        chunks = torch.arange(len(ids_list)).split(batch)
+        with torch.no_grad():
+            per_chunk = [relative_errors(idx) for idx in chunks]
+        return [float(sum(c[j] * len(idx) for c, idx in zip(per_chunk, chunks)) / len(ids_list))
+                for j in range(len(layers))]
+
+    before = mean_errors()
     bar = tqdm(range(steps), desc="calibrate", disable=not progress)
     for _ in bar:
         idx = torch.randperm(len(ids_list), generator=gen)[:batch]
@@ -322,9 +327,8 @@ def calibrate(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}")
-    with torch.no_grad():
-        after = [float(e) for e in relative_errors(every)]
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    after = mean_errors()
     summary = {"layers": layers, "relative_error_random": before, "relative_error_learned": after,
                "rank": rank, "hidden": hidden, "steps": steps, "passages": len(ids_list)}
     return kernels, summary
@@ -343,7 +347,7 @@ def calibrate_file(
     *,
     start: int = 32,
     passages: int = 32,
-    steps: int = 300,
+    steps: int = 200,
     hidden: int = 16,
     progress: bool = True,
 ) -> dict:
