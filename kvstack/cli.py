@@ -165,7 +165,7 @@ def bench(
 @app.command()
 def calibrate(
     model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
-    preset: str = typer.Option(..., help="Preset or YAML file with `evict` and `lowrank` stages (its budget and rank)."),
+    preset: str = typer.Option(..., help="Preset or YAML file with `evict` and `lowrank` stages (budget, rank)."),
     data: Path = typer.Option(..., help="JSONL file of calibration passages, one {\"text\": ...} per line."),
     out: Path = typer.Option(..., help="Kernels file to write (.safetensors); reference it as `kernels:`."),
     start: int = typer.Option(32, min=0, help="First passage used (the default skips the 32 evaluation passages)."),

@@ -27,7 +27,7 @@ def kivi(bits=4, group_size=8, residual=8, value_group_size=None) -> dict:
 
 def run(model, spec, ids, prefill):
     """Prefill ``prefill`` tokens, then one token per forward; returns (cache, logits of every position)."""
-    with kvstack.applied(model, spec):
+    with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         logits = [model(ids[:, :prefill], cache=cache).logits]
         logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])]
@@ -42,7 +42,9 @@ def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4):
     r = residual + (x - residual) % g if x >= residual + g else x
     q = seen - r
     full = r * (h * 2 * d * item + 4)
-    quant = h * (q * d * bits // 8 + 2 * item * (q // g) * d) + h * (q * d * bits // 8 + 2 * item * q * (d // vg)) + 4 * q
+    keys = h * (q * d * bits // 8 + 2 * item * (q // g) * d)
+    values = h * (q * d * bits // 8 + 2 * item * q * (d // vg))
+    quant = keys + values + 4 * q
     return layers * batch * (full + quant)
 
 
@@ -111,7 +113,7 @@ def test_quantization_error_shrinks_with_bits():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(2))
     _, reference = run(model, "identity", ids, 32)
-    errors = [float((run(model, kivi(bits=b, residual=0), ids, 32)[1] - reference).abs().mean().detach()) for b in (2, 4, 8)]
+    errors = [float((run(model, kivi(bits=b, residual=0), ids, 32)[1] - reference).abs().mean()) for b in (2, 4, 8)]
     assert errors[0] > errors[1] > errors[2] > 0
 
 
@@ -183,9 +185,8 @@ def test_eviction_before_quantization_keeps_sinks_and_window_within_the_bound():
 
 def test_scattered_eviction_composes_and_stays_within_the_bound():
     model = tiny_model("llama")
-    spec = kvstack.StackSpec.load(
-        {"budget": {"tokens": 24}, "stages": [{"kind": "evict", "scorer": "h2o", "recent": 4}, kivi(2, 4, 4)["stages"][0]]}
-    )
+    stages = [{"kind": "evict", "scorer": "h2o", "recent": 4}, *kivi(2, 4, 4)["stages"]]
+    spec = kvstack.StackSpec.load({"budget": {"tokens": 24}, "stages": stages})
     ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(7))
     with kvstack.applied(model, spec):
         cache = kvstack.cache_for(model)

@@ -57,7 +57,8 @@ def test_window_scorer_puts_the_newest_tokens_at_the_highest_precision():
 
 def test_fractions_without_rest_evict_the_remainder_within_the_bound():
     model = tiny_model("llama")
-    spec = kvstack.StackSpec.load(stack(scorer="key_norm", tiers=[{"fraction": 0.5, "bits": 8}, {"fraction": 0.25, "bits": 2}]))
+    tiers = [{"fraction": 0.5, "bits": 8}, {"fraction": 0.25, "bits": 2}]
+    spec = kvstack.StackSpec.load(stack(scorer="key_norm", tiers=tiers))
     with kvstack.applied(model, spec):
         for cache in drive(model, None, steps=12, batch=2):
             seen = cache.get_seq_length()

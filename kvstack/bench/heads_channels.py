@@ -84,7 +84,9 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/heads_channels.json"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the model is tiny: 1 is fastest)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = run()
     args.out.parent.mkdir(parents=True, exist_ok=True)

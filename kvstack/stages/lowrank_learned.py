@@ -297,7 +297,8 @@ def calibrate(
     for d in data:
         d["q"] = d["q"][:, :, rows]
         d["target"] = merged_attention(d["q"], d["k"], d["v"], d["scaling"], causal, None)
-        d["evict_err"] = (merged_attention(d["q"], d["k"], d["v"], d["scaling"], kept, evicted) - d["target"]).pow(2).mean()
+        evict_only = merged_attention(d["q"], d["k"], d["v"], d["scaling"], kept, evicted)
+        d["evict_err"] = (evict_only - d["target"]).pow(2).mean()
 
     kernels = LearnedKernels(shape.num_layers, shape.num_kv_heads, shape.head_dim, rank, hidden, seed=init_seed)
     opt = torch.optim.Adam(kernels.parameters(), lr=lr)

@@ -115,12 +115,13 @@ class QuantizedTier(ExactTier):
             setattr(self, n, None)
 
     # ----------------------------------------------------------------------------------- packed views
-    def _keys(self) -> QuantizedGroups:
+    def key_groups(self) -> QuantizedGroups:
         b, h, _, d = self.key_codes.shape
         shape = (b, h, self.num_tokens, d)
-        return QuantizedGroups(self.key_codes, self.key_scale, self.key_zero, self.bits, self.group_size, "token", shape)
+        q = (self.key_codes, self.key_scale, self.key_zero)
+        return QuantizedGroups(*q, self.bits, self.group_size, "token", shape)
 
-    def _values(self) -> QuantizedGroups:
+    def value_groups(self) -> QuantizedGroups:
         b, h, t, packed = self.value_codes.shape
         shape = (b, h, t, packed * PACK_FACTOR[self.bits])
         return QuantizedGroups(
@@ -135,14 +136,15 @@ class QuantizedTier(ExactTier):
 
     # ------------------------------------------------------------------------------- attention side
     def logits(self, query, scaling):
-        keys = dequantize(self._keys(), query.dtype)  # temporary of this call only
+        keys = dequantize(self.key_groups(), query.dtype)  # temporary of this call only
         return torch.matmul(query, keys.transpose(-1, -2)) * scaling
 
     def mix(self, weights):
-        return torch.matmul(weights, dequantize(self._values(), weights.dtype))
+        return torch.matmul(weights, dequantize(self.value_groups(), weights.dtype))
 
     def gather(self, index):
-        return gather_tokens(dequantize(self._keys()), index), gather_tokens(dequantize(self._values()), index)
+        keys, values = dequantize(self.key_groups()), dequantize(self.value_groups())
+        return gather_tokens(keys, index), gather_tokens(values, index)
 
     def bytes_per_token(self) -> float:
         h, dk = self.key_codes.shape[1], self.key_codes.shape[-1]
@@ -182,8 +184,8 @@ class QuantizedTier(ExactTier):
             if positions.shape[1] != self.positions.shape[1]:
                 hp = max(positions.shape[1], self.positions.shape[1])
                 positions, self.positions = positions.expand(-1, hp, -1), self.positions.expand(-1, hp, -1)
-            qk = QuantizedGroups.cat_tokens([self._keys(), qk])
-            qv = QuantizedGroups.cat_tokens([self._values(), qv])
+            qk = QuantizedGroups.cat_tokens([self.key_groups(), qk])
+            qv = QuantizedGroups.cat_tokens([self.value_groups(), qv])
             self.key_codes, self.key_scale, self.key_zero = qk.packed, qk.scale, qk.zero
             self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
             self.positions = torch.cat([self.positions, positions.to(self.positions.dtype)], dim=-1)
@@ -237,7 +239,7 @@ class QuantizedTier(ExactTier):
 
         # keys: whole groups copy their codes; merged tokens are dequantized and re-quantized together
         group_src = src[..., ::g] // g  # [B, W, T_new / G]
-        qk = self._keys()
+        qk = self.key_groups()
         h, d = qk.packed.shape[1], qk.packed.shape[-1]
         per = g // PACK_FACTOR[self.bits]
         gs = group_src.expand(-1, h, -1)
@@ -281,7 +283,9 @@ class QuantizeSpec(StageSpec):
         description="Channels per value group (values are grouped per token); default group_size; head_dim: one "
         "group per token and head.",
     )
-    residual: int = Field(default=32, ge=0, description="Newest tokens kept in full precision (multiple of group_size).")
+    residual: int = Field(
+        default=32, ge=0, description="Newest tokens kept in full precision (a multiple of group_size)."
+    )
 
     def validate_with(self, stack_budget) -> None:
         if isinstance(self.value_group_size, int) and self.value_group_size < 1:
@@ -359,5 +363,6 @@ class QuantizeStage(Stage):
         # oldest first by position (the full tier need not be in position order once other stages move tokens)
         big = torch.iinfo(pos.dtype).max
         order = torch.where(valid, pos, torch.full_like(pos, big)).argsort(dim=-1)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
+        slots = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, slots)
         layer.demote(full, valid & (rank < flush), layer.scratch[self.key])
