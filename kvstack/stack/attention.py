@@ -27,6 +27,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvstack.kernels.dispatch import use_triton
+from kvstack.kernels.tiered_attention import FullTierData, QuantTierData, mass_selector, tiered_attention
+
 from .cache import ACTIVE_LAYER, StackLayer
 from .errors import CacheUsageError
 
@@ -84,9 +87,13 @@ class AttentionStats:
     key_positions: list[torch.Tensor | None] = field(default_factory=list)
     saliency: dict[tuple[int | None, str], list[torch.Tensor | None]] = field(default_factory=dict)
 
+    masses: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
     def mass(self, tier_index: int, window: int | None = None) -> torch.Tensor:
         """[B, Hq, T_i]: weight each key of tier ``tier_index`` received, summed over the last ``window`` queries."""
-        w = self.weights[tier_index]
+        if (tier_index, window) in self.masses:  # reduced inside the fused kernel
+            return self.masses[(tier_index, window)]
+        w = self.weights[tier_index] if tier_index < len(self.weights) else None
         if w is None:
             raise CacheUsageError("attention weights were not kept: the stage must ask for them in attention_request")
         if window is not None:
@@ -170,6 +177,15 @@ def stack_attention(
     q_pos = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
     q_pos_rows = q_pos.repeat(group)  # [G*Q] matching q's row order
 
+    fused = _fused_attention(layer, q, q_pos_rows, scaling, softcap, sliding_window, request, group, q_len)
+    if fused is not None:
+        out, stats = fused
+        stats.query_positions, stats.num_queries = q_pos, q_len
+        if request.keep_query:
+            stats.query, stats.output = query, out.reshape(batch, q_heads, q_len, -1)
+        layer.finish_forward(stats)
+        return out.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype), None
+
     logits: list[torch.Tensor | None] = []
     for tier in layer.tiers:
         if tier.num_tokens == 0:
@@ -234,6 +250,49 @@ def stack_attention(
     # [B, Hkv, G*Q, Dv] -> [B, Q, Hq, Dv] as transformers expects
     out = out.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, None
+
+
+#: the fused kernel is a decode kernel: longer query blocks (prefill) take the torch path
+FUSED_MAX_QUERIES = 16
+
+
+def _fused_attention(layer, q, q_pos_rows, scaling, softcap, sliding_window, request, group, q_len):
+    """The Triton path (CUDA, or KVSTACK_KERNELS=triton): one fused pass over the full tier, at most one packed
+    quantized tier and the low-rank state, with per-key masses reduced in the kernel. Returns None when the layer
+    or the request is outside what the kernel covers (then the torch path below runs)."""
+    if q_len > FUSED_MAX_QUERIES or request.saliency or not use_triton(q):
+        return None
+    full, quant, slot = None, None, {}  # slot: tier index -> "full" | "quant"
+    for i, tier in enumerate(layer.tiers):
+        if not tier.num_tokens:
+            continue
+        data = tier.kernel_data()
+        if isinstance(data, FullTierData) and full is None:
+            full, slot[i] = data, "full"
+        elif isinstance(data, QuantTierData) and quant is None:
+            quant, slot[i] = data, "quant"
+        else:
+            return None
+    state = None
+    if layer.state is not None:
+        state = layer.state.kernel_data(q, scaling)
+        if state is False:
+            return None
+    windows = tuple(request.mass_windows)
+    rows = mass_selector(group, q_len, windows, device=q.device) if windows else None
+    res = tiered_attention(
+        q, q_pos_rows.to(torch.int32), scaling, full=full, quant=quant, state=state, softcap=softcap,
+        sliding_window=sliding_window, mass_rows=rows,
+    )
+    stats = AttentionStats(query_positions=q_pos_rows, num_queries=q_len)
+    stats.key_positions = [t.positions if t.num_tokens else None for t in layer.tiers]
+    if windows:
+        b, h = q.shape[:2]
+        for i, which in slot.items():
+            mass = res.mass_full if which == "full" else res.mass_quant
+            for j, window in enumerate(windows):
+                stats.masses[(i, window)] = mass[:, :, j * group : (j + 1) * group].reshape(b, h * group, -1)
+    return res.out.to(q.dtype), stats
 
 
 def _saliency(tier, weights, out, group: int, q_len: int, window: int | None, mode: str) -> torch.Tensor:

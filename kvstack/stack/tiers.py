@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from kvstack.kernels.tiered_attention import FullTierData
+
 from .memory import POSITION_DTYPE
 
 EMPTY = -1
@@ -120,6 +122,11 @@ class ExactTier(Tier):
         """Current cost of one more token per (batch row, all KV heads): drives ratio budgets."""
         raise NotImplementedError
 
+    def kernel_data(self):
+        """This tier's tensors in a layout the fused decode kernel reads (``kvstack.kernels.tiered_attention``),
+        or None when the kernel does not cover this tier (attention then takes the torch path)."""
+        return None
+
 
 def gather_records(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Per-token records [B, Hd, T] at slots ``index`` [B, Hi, K]; a width-1 side is shared by every head (a record
@@ -182,6 +189,9 @@ class FullTier(ExactTier):
     def gather(self, index):
         return gather_tokens(self.keys, index), gather_tokens(self.values, index)
 
+    def kernel_data(self):
+        return FullTierData(self.keys, self.values, self.positions)
+
     def select(self, index, slot_valid):
         self.keys = gather_tokens(self.keys, index)
         self.values = gather_tokens(self.values, index)
@@ -204,6 +214,11 @@ class StateTier(Tier):
     def absorb(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Fold keys/values [B, Hkv, n, D] of evicted tokens in; ``valid`` [B, Hkv, n] False entries are skipped."""
         raise NotImplementedError
+
+    def kernel_data(self, query: torch.Tensor, scaling: float):
+        """``StateData`` for the fused decode kernel, None while empty, or False when the kernel does not cover
+        this state (attention then takes the torch path)."""
+        return False
 
     def readout(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """query [B, Hkv, M, D] -> (log-denominator [B, Hkv, M] on the scale of the exact logits,

@@ -44,6 +44,7 @@ import torch
 from pydantic import Field
 
 from kvstack.kernels.lowrank_update import LowRankState, draw_features, empty_state, fold, log_features, readout
+from kvstack.kernels.tiered_attention import StateData
 from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import CacheUsageError, SpecError
 from kvstack.stack.registry import register_stage
@@ -173,15 +174,24 @@ class LowRankTier(StateTier):
     def _state(self) -> LowRankState:
         return LowRankState(self.H, self.z, self.c)
 
-    def readout(self, query, scaling):
+    def _ready(self, query, scaling) -> bool:
+        """Allocate on first use; False while nothing has been folded."""
         self.scaling = scaling
         if self.H is None:
             batch, heads = query.shape[:2]
             st = empty_state(batch, heads, self.features.rank, self.value_dim, device=query.device, dtype=self.dtype)
             self.H, self.z, self.c = st.H, st.z, st.c
-        if bool(torch.isneginf(self.c).all()):
+        return not bool(torch.isneginf(self.c).all())
+
+    def readout(self, query, scaling):
+        if not self._ready(query, scaling):
             return None
         return readout(self._state(), self.features.log_query(query, scaling))
+
+    def kernel_data(self, query, scaling):
+        if not self._ready(query, scaling):
+            return None
+        return StateData(self._state(), self.features.log_query(query, scaling))
 
     def absorb(self, keys, values, valid) -> None:
         if self.scaling is None or self.H is None:

@@ -28,7 +28,7 @@ class H2OScorer(Scorer):
         return StatsRequest(mass_windows=(None,))
 
     def observe(self, layer, stats) -> None:
-        per_tier = [None if w is None else self.to_kv_heads(layer, stats.mass(i)) for i, w in enumerate(stats.weights)]
+        per_tier = [None if p is None else self.to_kv_heads(layer, stats.mass(i)) for i, p in enumerate(stats.key_positions)]
         for i, tier in enumerate(layer.tiers):
             if not tier.num_tokens or all(x is None for x in per_tier):
                 continue

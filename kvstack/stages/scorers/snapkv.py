@@ -40,7 +40,7 @@ class SnapKVScorer(Scorer):
 
     def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
         w = self.spec.window
-        per_tier = [None if x is None else self.to_kv_heads(layer, stats.mass(i, w)) for i, x in enumerate(stats.weights)]
+        per_tier = [None if p is None else self.to_kv_heads(layer, stats.mass(i, w)) for i, p in enumerate(stats.key_positions)]
         return pool(aligned(stats, layer, tier_index, per_tier), self.spec.kernel, self.spec.pooling)
 
     def protected_recent(self) -> int:

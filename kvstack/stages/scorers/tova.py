@@ -22,5 +22,5 @@ class TovaScorer(Scorer):
         return StatsRequest(mass_windows=(1,))
 
     def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
-        per_tier = [None if w is None else self.to_kv_heads(layer, stats.mass(i, 1)) for i, w in enumerate(stats.weights)]
+        per_tier = [None if p is None else self.to_kv_heads(layer, stats.mass(i, 1)) for i, p in enumerate(stats.key_positions)]
         return aligned(stats, layer, tier_index, per_tier)
