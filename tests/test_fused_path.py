@@ -13,6 +13,15 @@ import kvstack.stack.attention as attention
 STACKS = {
     "streaming": {"budget": {"tokens": 12}, "stages": [{"kind": "evict", "n_sink": 2}]},
     "h2o": {"budget": {"tokens": 12}, "stages": [{"kind": "evict", "scorer": "h2o", "n_sink": 2}]},
+    "kivi-4": {"stages": [{"kind": "quantize", "bits": 4, "group_size": 8, "residual": 8}]},
+    "recent-quantized-far-lowrank": {
+        "budget": {"tokens": 20},
+        "stages": [
+            {"kind": "evict", "n_sink": 2},
+            {"kind": "quantize", "bits": 4, "group_size": 8, "residual": 8},
+            {"kind": "lowrank", "rank": 8},
+        ],
+    },
     "less": {
         "budget": {"tokens": 12},
         "stages": [{"kind": "evict", "n_sink": 2}, {"kind": "lowrank", "rank": 8}],
@@ -25,7 +34,7 @@ def decode(model, spec, ids):
         cache = kvstack.cache_for(model)
         logits = [model(ids[:, :20], cache=cache).logits]
         logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(20, ids.shape[1])]
-    kept = [layer.full.positions.clone() for layer in cache.layers]
+    kept = [tier.positions.clone() for layer in cache.layers for tier in layer.tiers if tier.num_tokens]
     return torch.cat(logits, 1), kept
 
 

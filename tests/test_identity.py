@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from archs import ARCHS, tiny_model
@@ -33,17 +35,34 @@ def run_pieces(model, ids, mask, positions, cache, cuts=(20, 25)):
     return torch.cat(out, dim=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_identity_matches_dynamic_cache(arch, dtype):
+def test_identity_matches_dynamic_cache_float64(arch):
     torch.manual_seed(1)
-    model = tiny_model(arch, dtype=dtype)
+    model = tiny_model(arch, dtype=torch.float64)
     ids = torch.randint(3, 128, (1, 30))
     positions = torch.arange(30)[None]
     reference = run_pieces(model, ids, None, positions, DynamicCache(config=model.config))
     with kvstack.applied(model, "identity"):
         ours = run_pieces(model, ids, None, positions, kvstack.cache_for(model))
-    assert (ours - reference).abs().max().item() <= tolerance(arch, dtype)
+    assert (ours - reference).abs().max().item() <= tolerance(arch, torch.float64)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identity_float32_is_as_exact_as_dynamic_cache(arch):
+    """float32: within 1e-5 of DynamicCache, and no further from the float64 truth than DynamicCache itself (these
+    random models have logits of magnitude ~10, where float32 rounding alone is ~1e-5 and varies with threads)."""
+    torch.manual_seed(1)
+    model = tiny_model(arch)
+    model64 = copy.deepcopy(model).to(torch.float64)
+    ids = torch.randint(3, 128, (1, 30))
+    positions = torch.arange(30)[None]
+    truth = run_pieces(model64, ids, None, positions, DynamicCache(config=model64.config))
+    reference = run_pieces(model, ids, None, positions, DynamicCache(config=model.config))
+    with kvstack.applied(model, "identity"):
+        ours = run_pieces(model, ids, None, positions, kvstack.cache_for(model))
+    own_error = (reference - truth).abs().max().item()
+    assert (ours - reference).abs().max().item() <= max(1e-5, own_error)
+    assert (ours - truth).abs().max().item() <= max(1e-5, 1.5 * own_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

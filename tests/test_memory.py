@@ -32,20 +32,24 @@ def evict_specs(draw):
     prefill=st.integers(1, 40),
     steps=st.integers(0, 12),
 )
-def test_actual_bytes_equal_the_bound_for_window_eviction(spec, arch, batch, prefill, steps):
+def test_actual_bytes_within_the_bound_for_window_eviction(spec, arch, batch, prefill, steps):
     model = MODELS[arch]
     spec = kvstack.StackSpec.load(spec)
     ids = torch.randint(3, 128, (batch, prefill + steps))
     with kvstack.applied(model, spec):
         cache = kvstack.cache_for(model)
         model(ids[:, :prefill], cache=cache)
-        for t in range(prefill, prefill + steps):
-            bound = spec.memory_bound(model.config, t, batch=batch)
-            assert cache.memory_bytes() == bound  # recency eviction: the formula is exact
-            model(ids[:, t : t + 1], cache=cache)
-        seen = prefill + steps
-        assert cache.memory_bytes() == spec.memory_bound(model.config, seen, batch=batch)
         budget = spec.budget
+        for t in range(prefill, prefill + steps + 1):
+            bound = spec.memory_bound(model.config, t, batch=batch, prefill_len=prefill)
+            if budget.tokens is not None:
+                assert cache.memory_bytes() == bound  # recency eviction to a token budget: the formula is exact
+            else:
+                # a ratio budget grows with the tokens seen, but evicted tokens never come back: a true upper bound
+                assert cache.memory_bytes() <= bound
+            if t < prefill + steps:
+                model(ids[:, t : t + 1], cache=cache)
+        seen = prefill + steps
         if budget.ratio is not None:
             # the kept tokens cost at most `ratio` of the uncompressed cache at the same tokens (once over sinks)
             protected_bytes = spec.memory_bound(model.config, spec.stages[0].n_sink + spec.stages[0].recent, batch)

@@ -103,6 +103,36 @@ def check_tiered(device, sizes=((0, 61), (4096, 100), (32768, 128)), dims=(2, 4,
     return rows
 
 
+def check_stack_end_to_end(device) -> list[dict]:
+    """A tiny random Llama on the GPU with eviction + 4-bit KIVI + low-rank state: the stack's attention takes the
+    fused kernel at decode (KVSTACK_KERNELS=auto) and agrees with the torch path (KVSTACK_KERNELS=torch)."""
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvstack
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device).eval()
+    spec = {"budget": {"tokens": 256}, "stages": [
+        {"kind": "evict", "n_sink": 4}, {"kind": "quantize", "bits": 4, "group_size": 32, "residual": 32},
+        {"kind": "lowrank", "rank": 16}]}
+    ids = torch.randint(0, 256, (2, 400), device=device)
+    outs = {}
+    for mode in ("torch", "auto"):
+        os.environ["KVSTACK_KERNELS"] = mode
+        with torch.no_grad(), kvstack.applied(model, spec):
+            cache = kvstack.cache_for(model)
+            logits = [model(ids[:, :300], cache=cache).logits[:, -1]]
+            logits += [model(ids[:, t : t + 1], cache=cache).logits[:, -1] for t in range(300, 400)]
+        outs[mode] = torch.stack(logits, 1)
+    os.environ.pop("KVSTACK_KERNELS")
+    err = _err(outs["torch"], outs["auto"])
+    return [dict(kernel="stack end-to-end", case="evict+kivi4+lowrank, 100 decode steps", error=err, ok=err <= 1e-3)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -111,7 +141,7 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device; the CPU tests cover the kernels under TRITON_INTERPRET=1")
         return 0
     device = torch.device("cuda")
-    rows = check_quant_pack(device) + check_fold(device) + check_tiered(device)
+    rows = check_quant_pack(device) + check_fold(device) + check_tiered(device) + check_stack_end_to_end(device)
     for r in rows:
         print(f"{'ok ' if r['ok'] else 'BAD'} {r['kernel']:<17} {r['case']:<36} max err {r['error']:.2e}")
     if args.out:

@@ -160,9 +160,14 @@ class EvictSpec(StageSpec):
             if full is not None and (self.is_head_wise or records):
                 base = full_tier_bytes(plan.shape, plan.dtype, positions_per_head=self.is_head_wise)
                 full.bytes_for = lambda n, base=base: base(n) + n * records
-            if self.phase == "decode":  # the prompt is never compressed: no bound below the tokens seen
-                continue
-            cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, plan.seq_len) + self.every - 1
+            prompt = plan.seq_len if plan.prefill_len is None else plan.prefill_len
+            if self.phase == "decode" and plan.seq_len <= prompt:
+                continue  # the prompt itself is never compressed
+            if self.phase == "prefill":  # compressed once at the prompt, then every decode token stays
+                cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, prompt) + plan.seq_len - prompt
+            else:
+                cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, plan.seq_len)
+            cap += self.every - 1
             excess = layer.tokens - cap
             for tier in reversed(layer.tiers):  # the oldest, lowest-precision tiers give way first
                 if excess <= 0:

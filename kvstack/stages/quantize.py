@@ -36,6 +36,7 @@ import torch
 from pydantic import Field
 
 from kvstack.kernels.quant_pack import PACK_FACTOR, QuantizedGroups, dequantize, quantize
+from kvstack.kernels.tiered_attention import QuantTierData
 from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import KVStackError
 from kvstack.stack.memory import POSITION_BYTES, TierPlan, _itemsize
@@ -141,6 +142,9 @@ class QuantizedTier(ExactTier):
 
     def mix(self, weights):
         return torch.matmul(weights, dequantize(self.value_groups(), weights.dtype))
+
+    def kernel_data(self):
+        return QuantTierData(self.key_groups(), self.value_groups(), self.positions)
 
     def gather(self, index):
         keys, values = dequantize(self.key_groups()), dequantize(self.value_groups())
