@@ -111,6 +111,7 @@ def check_stack_end_to_end(device) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvstack
+    from kvstack.stack.apply import cache_kwarg
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
@@ -124,9 +125,9 @@ def check_stack_end_to_end(device) -> list[dict]:
     for mode in ("torch", "auto"):
         os.environ["KVSTACK_KERNELS"] = mode
         with torch.no_grad(), kvstack.applied(model, spec):
-            cache = kvstack.cache_for(model)
-            logits = [model(ids[:, :300], cache=cache).logits[:, -1]]
-            logits += [model(ids[:, t : t + 1], cache=cache).logits[:, -1] for t in range(300, 400)]
+            arg = {cache_kwarg(model): kvstack.cache_for(model)}
+            logits = [model(ids[:, :300], **arg).logits[:, -1]]
+            logits += [model(ids[:, t : t + 1], **arg).logits[:, -1] for t in range(300, 400)]
         outs[mode] = torch.stack(logits, 1)
     os.environ.pop("KVSTACK_KERNELS")
     err = _err(outs["torch"], outs["auto"])
