@@ -13,6 +13,7 @@ from kvstack.stack.memory import full_cache_bytes
 from kvstack.stack.registry import register_stage, stage_specs
 from kvstack.stack.shape import SUPPORTED_MODEL_TYPES, ModelShape
 from kvstack.stack.spec import StackSpec, list_presets, preset_names
+from kvstack.stages.scorers import Scorer, register_scorer, scorer_names, tier_keys_values
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SpecError",
     "StackSpec",
+    "Scorer",
     "Stage",
     "StageSpec",
     "UnsupportedModelError",
@@ -34,7 +36,10 @@ __all__ = [
     "full_cache_bytes",
     "list_presets",
     "preset_names",
+    "register_scorer",
     "register_stage",
     "remove",
+    "scorer_names",
     "stage_specs",
+    "tier_keys_values",
 ]

@@ -1,0 +1,50 @@
+"""The smallest possible eviction policy: keep the tokens whose VALUES are largest (docs/writing-a-stage.md).
+
+    python examples/custom_scorer.py
+"""
+
+import argparse
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import kvstack
+
+
+@kvstack.register_scorer
+class ValueNormScorer(kvstack.Scorer):
+    """Score = ||v_i||: a token that moves the output a lot when attended is worth keeping."""
+
+    name = "value_norm"
+    head_wise = True  # each KV head keeps its own top tokens
+
+    def scores(self, layer, tier_index, tier, stats):
+        _, values = kvstack.tier_keys_values(tier)  # [B, Hkv, T, D], dequantized if the tier is quantized
+        return values.float().norm(dim=-1)  # [B, Hkv, T]: higher = keep
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=os.environ.get("KVSTACK_MODEL", "../shared/models/stories260K"))
+args = parser.parse_args()
+
+stack = """
+name: value-norm
+description: sinks + recent window + the largest-value tokens, 64 per layer and KV head
+budget: {tokens: 64}
+stages:
+  - kind: evict
+    scorer: value_norm
+    n_sink: 4
+    recent: 16
+"""
+model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+tokenizer = AutoTokenizer.from_pretrained(args.model)
+with kvstack.applied(model, stack):
+    cache = kvstack.cache_for(model)
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=150, do_sample=False, cache=cache)
+print(tokenizer.decode(out[0], skip_special_tokens=True))
+kept = cache.kept_tokens()[0]
+print(f"kept per KV head in layer 0: {kept.tolist()} of {cache.get_seq_length()} seen")
+assert int(kept.max()) == 64
