@@ -31,17 +31,17 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.memory import _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
-from .scorers import get_scorer, scorer_names
+from .scorers import ScorerOptions, get_scorer
 
 
 @register_stage
-class EvictSpec(StageSpec):
+class EvictSpec(StageSpec, ScorerOptions):
     """Evict tokens by a scoring policy to a budget."""
 
     kind: Literal["evict"] = "evict"
@@ -63,37 +63,10 @@ class EvictSpec(StageSpec):
     aggregate: Literal["mean", "min", "max"] = Field(
         default="mean", description="How a block's score aggregates its tokens' scores (granularity: block)."
     )
-    head_wise: bool | None = Field(
-        default=None, description="Each KV head keeps its own tokens (None: the scorer's default)."
-    )
-    group_reduce: Literal["mean", "max"] = Field(
-        default="mean", description="How query-head scores of one GQA group become the KV head's score."
-    )
     schedule: Literal["uniform", "pyramid"] = Field(default="uniform", description="Per-layer budget schedule.")
     pyramid_spread: float = Field(
         default=0.5, ge=0.0, lt=1.0, description="pyramid: layer 0 keeps (1 + s) x budget, the last layer (1 - s) x."
     )
-    window: int = Field(default=32, ge=1, description="snapkv / obcache: observation window (last prompt queries).")
-    kernel: int = Field(default=7, ge=1, description="snapkv: pooling width along the sequence (odd).")
-    pooling: Literal["max", "avg"] = Field(default="max", description="snapkv: pooling of the window's attention.")
-    saliency: Literal["joint", "key", "value"] = Field(
-        default="joint", description="obcache: which output change is measured (see docs/eviction.md)."
-    )
-    seed: int = Field(default=0, description="random: seed of the scores.")
-
-    @field_validator("scorer")
-    @classmethod
-    def _known_scorer(cls, value: str) -> str:
-        names = scorer_names()
-        if value not in names:
-            raise ValueError(f"unknown scorer {value!r}; available scorers: {', '.join(names)}")
-        return value
-
-    @model_validator(mode="after")
-    def _odd_kernel(self) -> "EvictSpec":
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel={self.kernel} is not allowed: an odd width (the pooling window is centred)")
-        return self
 
     def prefill_chunk(self) -> int | None:
         return self.chunk_size

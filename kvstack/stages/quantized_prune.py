@@ -37,14 +37,14 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from .quantize import QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, value_group_for
-from .scorers import get_scorer, scorer_names
+from .scorers import ScorerOptions, get_scorer
 
 LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a token is moving to
 
@@ -66,7 +66,7 @@ class PrecisionTier(BaseModel):
 
 
 @register_stage
-class QuantizedPruneSpec(StageSpec):
+class QuantizedPruneSpec(StageSpec, ScorerOptions):
     """Rank tokens with an eviction scorer and store them at a precision that depends on their rank."""
 
     kind: Literal["quantized_prune"] = "quantized_prune"
@@ -85,21 +85,6 @@ class QuantizedPruneSpec(StageSpec):
     )
     n_sink: int = Field(default=0, ge=0, description="First real tokens of each row, always in the top tier.")
     recent: int = Field(default=0, ge=0, description="Newest positions, always in the top tier.")
-    head_wise: bool | None = Field(default=None, description="Each KV head ranks its own tokens (None: the scorer's).")
-    group_reduce: Literal["mean", "max"] = Field(default="mean", description="GQA reduction of query-head scores.")
-    window: int = Field(default=32, ge=1, description="snapkv / obcache: observation window.")
-    kernel: int = Field(default=7, ge=1, description="snapkv: pooling width (odd).")
-    pooling: Literal["max", "avg"] = Field(default="max", description="snapkv: pooling.")
-    saliency: Literal["joint", "key", "value"] = Field(default="joint", description="obcache: saliency mode.")
-    seed: int = Field(default=0, description="random: seed of the scores.")
-
-    @field_validator("scorer")
-    @classmethod
-    def _known_scorer(cls, value: str) -> str:
-        names = scorer_names()
-        if value not in names:
-            raise ValueError(f"unknown scorer {value!r}; available scorers: {', '.join(names)}")
-        return value
 
     # ------------------------------------------------------------------------------------ validation
     def effective_budget(self, stack_budget: Budget | None) -> Budget | None:
@@ -138,8 +123,6 @@ class QuantizedPruneSpec(StageSpec):
         for level in self.levels():
             if level.bits != 16:
                 check_quant_params(level.bits, self.group_size, value_group, None)
-        if self.kernel % 2 == 0:
-            raise spec_error("kernel", self.kernel, "an odd width (the pooling window is centred)")
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)

@@ -13,9 +13,10 @@ as they are now (an earlier stage or the sliding-window drop may have moved toke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstack.stack.attention import AttentionStats, StatsRequest
@@ -24,6 +25,39 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstack.stack.tiers import ExactTier
 
 _SCORERS: dict[str, type["Scorer"]] = {}
+
+
+class ScorerOptions(BaseModel):
+    """Spec fields of every stage that ranks tokens with a scorer (``evict``, ``quantized_prune``). The stage
+    declares ``scorer`` itself (its default differs)."""
+
+    head_wise: bool | None = Field(
+        default=None, description="Each KV head keeps its own tokens (None: the scorer's default)."
+    )
+    group_reduce: Literal["mean", "max"] = Field(
+        default="mean", description="How query-head scores of one GQA group become the KV head's score."
+    )
+    window: int = Field(default=32, ge=1, description="snapkv / obcache: observation window (last prompt queries).")
+    kernel: int = Field(default=7, ge=1, description="snapkv: pooling width along the sequence (odd).")
+    pooling: Literal["max", "avg"] = Field(default="max", description="snapkv: pooling of the window's attention.")
+    saliency: Literal["joint", "key", "value"] = Field(
+        default="joint", description="obcache: which output change is measured (see docs/eviction.md)."
+    )
+    seed: int = Field(default=0, description="random: seed of the scores.")
+
+    @field_validator("scorer", check_fields=False)
+    @classmethod
+    def _known_scorer(cls, value: str) -> str:
+        names = scorer_names()
+        if value not in names:
+            raise ValueError(f"unknown scorer {value!r}; available scorers: {', '.join(names)}")
+        return value
+
+    @model_validator(mode="after")
+    def _odd_kernel(self):
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} is not allowed: an odd width (the pooling window is centred)")
+        return self
 
 
 class Scorer:
