@@ -115,7 +115,7 @@ def _merge_requests(layer: StackLayer, query_length: int) -> StatsRequest:
     return StatsRequest(tuple(windows), keep_query, tuple(saliency))
 
 
-def _new_token_validity(mask, layer: StackLayer, batch: int, q_len: int) -> torch.Tensor | None:
+def _new_token_validity(mask, layer: StackLayer, q_len: int) -> torch.Tensor | None:
     if mask is None:
         return None
     if isinstance(mask, torch.Tensor):
@@ -166,7 +166,7 @@ def stack_attention(
     group = q_heads // kv_heads  # from the shapes, not the module: GQA conversion changes it
     scaling = head_dim**-0.5 if scaling is None else scaling
 
-    new_valid = _new_token_validity(attention_mask, layer, batch, q_len)
+    new_valid = _new_token_validity(attention_mask, layer, q_len)
     if new_valid is not None:
         layer.mark_padding(new_valid)
     request = _merge_requests(layer, q_len)
