@@ -37,7 +37,7 @@ from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.memory import _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
-from .scorers import ScorerOptions, get_scorer
+from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
 
 
 @register_stage
@@ -70,15 +70,6 @@ class EvictSpec(StageSpec, ScorerOptions):
 
     def prefill_chunk(self) -> int | None:
         return self.chunk_size
-
-    @property
-    def is_head_wise(self) -> bool:
-        return get_scorer(self.scorer).head_wise if self.head_wise is None else self.head_wise
-
-    def protected_count(self) -> int:
-        """Tokens the protected sets may hold: sinks + the longer of ``recent`` and the scorer's window."""
-        scorer = get_scorer(self.scorer)(self, None)
-        return self.n_sink + max(self.recent, scorer.protected_recent())
 
     def effective_budget(self, stack_budget: Budget | None) -> Budget:
         budget = self.budget or stack_budget
@@ -186,15 +177,8 @@ class EvictStage(Stage):
 
     def select(self, layer, cap: int, stats) -> list[torch.Tensor]:
         """Keep masks, one per non-empty exact tier: the best ``cap`` tokens per (row, head) over all tiers."""
-        tiers = [(i, t) for i, t in enumerate(layer.tiers) if t.num_tokens]
-        scores = [self.scorer.scores(layer, i, t, stats).float() for i, t in tiers]
-        if not self.spec.is_head_wise:
-            scores = [s.mean(1, keepdim=True) for s in scores]
-        width = max(s.shape[1] for s in scores + [t.positions for _, t in tiers])
-        score = torch.cat([s.expand(-1, width, -1) for s in scores], dim=-1)
-        pos = torch.cat([t.positions.expand(-1, width, -1) for _, t in tiers], dim=-1)
-        valid = pos >= 0
-        protected = self.protected(pos, valid, layer.seen)
+        tiers, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats)
+        protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
         if self.spec.granularity == "block":
             keep = block_keep(score, pos, protected, self.spec.block_size, cap // self.spec.block_size, self.spec.aggregate)
         else:
@@ -203,18 +187,6 @@ class EvictStage(Stage):
             top = score.topk(min(cap, score.shape[-1]), dim=-1).indices
             keep = torch.zeros_like(valid).scatter_(-1, top, True) & valid
         return list(keep.split([t.num_tokens for _, t in tiers], dim=-1))
-
-    def protected(self, pos: torch.Tensor, valid: torch.Tensor, seen: int) -> torch.Tensor:
-        out = torch.zeros_like(valid)
-        if self.spec.n_sink:
-            # the n_sink smallest real positions of each row (left padding shifts where a row starts)
-            big = torch.iinfo(pos.dtype).max
-            ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
-            kth = ranked[..., min(self.spec.n_sink, ranked.shape[-1]) - 1 : min(self.spec.n_sink, ranked.shape[-1])]
-            out = out | (valid & (pos <= kth))
-        if self.recent:
-            out = out | (valid & (pos >= seen - self.recent))
-        return out
 
 
 def block_keep(

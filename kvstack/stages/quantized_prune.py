@@ -44,7 +44,7 @@ from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from .quantize import QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, value_group_for
-from .scorers import ScorerOptions, get_scorer
+from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
 
 LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a token is moving to
 
@@ -133,15 +133,8 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
 
     # --------------------------------------------------------------------------------------- sizing
     @property
-    def is_head_wise(self) -> bool:
-        return get_scorer(self.scorer).head_wise if self.head_wise is None else self.head_wise
-
-    @property
     def period(self) -> int:
         return self.every or self.group_size
-
-    def protected_count(self) -> int:
-        return self.n_sink + max(self.recent, get_scorer(self.scorer)(self, None).protected_recent())
 
     def per_token_extra(self, shape) -> int:
         """Positions (per head when head-wise) and scorer records of one token."""
@@ -275,14 +268,9 @@ class QuantizedPruneStage(Stage):
 
     def assign(self, layer, tiers, stats) -> list[torch.Tensor]:
         """Target level of every slot of each tier ([B, W, T_i] int; ``len(levels)`` = evict)."""
-        scores = [self.scorer.scores(layer, i, t, stats).float() for i, t in tiers]
-        if not self.spec.is_head_wise:
-            scores = [s.mean(1, keepdim=True) for s in scores]
-        width = max(s.shape[1] for s in scores + [t.positions for _, t in tiers])
-        score = torch.cat([s.expand(-1, width, -1) for s in scores], dim=-1)
-        pos = torch.cat([t.positions.expand(-1, width, -1) for _, t in tiers], dim=-1)
-        valid = pos >= 0
-        score = torch.where(self.protected(pos, valid, layer.seen), torch.full_like(score, math.inf), score)
+        _, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats, tiers)
+        protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
+        score = torch.where(protected, torch.full_like(score, math.inf), score)
         score = torch.where(valid, score, torch.full_like(score, -math.inf))
         order = score.argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(
@@ -301,13 +289,3 @@ class QuantizedPruneStage(Stage):
         level = torch.where(valid, level, torch.full_like(level, counts.shape[-1]))
         return list(level.split([t.num_tokens for _, t in tiers], dim=-1))
 
-    def protected(self, pos: torch.Tensor, valid: torch.Tensor, seen: int) -> torch.Tensor:
-        out = torch.zeros_like(valid)
-        if self.spec.n_sink:
-            big = torch.iinfo(pos.dtype).max
-            ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
-            k = min(self.spec.n_sink, ranked.shape[-1])
-            out = out | (valid & (pos <= ranked[..., k - 1 : k]))
-        if self.recent:
-            out = out | (valid & (pos >= seen - self.recent))
-        return out

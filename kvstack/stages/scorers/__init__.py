@@ -45,6 +45,14 @@ class ScorerOptions(BaseModel):
     )
     seed: int = Field(default=0, description="random: seed of the scores.")
 
+    @property
+    def is_head_wise(self) -> bool:
+        return get_scorer(self.scorer).head_wise if self.head_wise is None else self.head_wise
+
+    def protected_count(self) -> int:
+        """Tokens the protected sets may hold: sinks + the longer of ``recent`` and the scorer's own window."""
+        return self.n_sink + max(self.recent, get_scorer(self.scorer)(self, None).protected_recent())
+
     @field_validator("scorer", check_fields=False)
     @classmethod
     def _known_scorer(cls, value: str) -> str:
@@ -96,6 +104,35 @@ class Scorer:
     def record_bytes_per_token(self, shape: "ModelShape") -> int:
         """Bytes of per-token records this scorer keeps in ``tier.token_data`` (counted in the memory bound)."""
         return 0
+
+
+def protected_tokens(pos: torch.Tensor, valid: torch.Tensor, seen: int, n_sink: int, recent: int) -> torch.Tensor:
+    """[B, W, T]: the first ``n_sink`` real tokens of each row (left padding shifts where a row starts) and the
+    ``recent`` newest positions — never evicted or demoted."""
+    out = torch.zeros_like(valid)
+    if n_sink:
+        big = torch.iinfo(pos.dtype).max
+        ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
+        k = min(n_sink, ranked.shape[-1])
+        out = out | (valid & (pos <= ranked[..., k - 1 : k]))
+    if recent:
+        out = out | (valid & (pos >= seen - recent))
+    return out
+
+
+def union_scores(scorer: "Scorer", head_wise: bool, layer: "StackLayer", stats: "AttentionStats", tiers=None):
+    """One ranking over ``tiers`` ([(index, tier)], default: every non-empty exact tier of the layer): returns
+    (tiers, score, positions, valid), the last three [B, W, T_total] with W = Hkv for head-wise selection, else 1
+    (scores averaged over heads)."""
+    if tiers is None:
+        tiers = [(i, t) for i, t in enumerate(layer.tiers) if t.num_tokens]
+    scores = [scorer.scores(layer, i, t, stats).float() for i, t in tiers]
+    if not head_wise:
+        scores = [s.mean(1, keepdim=True) for s in scores]
+    width = max(s.shape[1] for s in scores + [t.positions for _, t in tiers])
+    score = torch.cat([s.expand(-1, width, -1) for s in scores], dim=-1)
+    pos = torch.cat([t.positions.expand(-1, width, -1) for _, t in tiers], dim=-1)
+    return tiers, score, pos, pos >= 0
 
 
 def register_scorer(cls: type[Scorer]) -> type[Scorer]:
