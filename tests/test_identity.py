@@ -78,11 +78,18 @@ def test_identity_left_padded_batch_matches_each_row_alone(arch, dtype):
     with kvstack.applied(model, "identity"):
         ours = run_pieces(model, ids, mask, positions, kvstack.cache_for(model))
     assert torch.isfinite(ours).all()
+    # float32: batch shapes change rounding; transformers' own cache moves a padded row by up to ~3e-5 on these
+    # models, so the bound is the larger of 2x the tolerance and 1.5x DynamicCache's own padded-vs-alone difference
+    if dtype == torch.float32:
+        padded_dynamic = run_pieces(model, ids, mask, positions, DynamicCache(config=model.config))
     for row, pad in ((0, 0), (1, 9)):
         alone = ids[row : row + 1, pad:]
         pos = torch.arange(alone.shape[1])[None]
         ref = run_pieces(model, alone, None, pos, DynamicCache(config=model.config), cuts=(20 - pad, 25 - pad))
-        assert (ours[row, pad:] - ref[0]).abs().max().item() <= 2 * tolerance(arch, dtype)
+        bound = 2 * tolerance(arch, dtype)
+        if dtype == torch.float32:
+            bound = max(bound, 1.5 * (padded_dynamic[row, pad:] - ref[0]).abs().max().item())
+        assert (ours[row, pad:] - ref[0]).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])

@@ -257,26 +257,26 @@ def importance_order(attn, x: torch.Tensor, heads: int, kv: int) -> tuple[torch.
 
 
 @torch.no_grad()
+def _zero_output_rows(linear, rows: torch.Tensor):
+    """A copy of ``linear`` whose output rows ``rows`` (weight and bias) are zero."""
+    w = linear.weight.detach().clone()
+    b = None if linear.bias is None else linear.bias.detach().clone()
+    w[rows] = 0
+    if b is not None:
+        b[rows] = 0
+    return new_linear(w, b, linear)
+
+
 def zero_units(attn, kind: str, units: torch.Tensor, d: int, group: int) -> None:
     """Replace the module's projections by copies with ``units`` [Hkv, n] zeroed (key pairs or value channels)."""
     kv = units.shape[0]
     if kind == "key":
         channels = torch.cat([units, units + d // 2], -1)
         rows = (channels + torch.arange(kv)[:, None] * d).flatten()
-        w = attn.k_proj.weight.detach().clone()
-        b = None if attn.k_proj.bias is None else attn.k_proj.bias.detach().clone()
-        w[rows] = 0
-        if b is not None:
-            b[rows] = 0
-        attn.k_proj = new_linear(w, b, attn.k_proj)
+        attn.k_proj = _zero_output_rows(attn.k_proj, rows)
         return
     rows = (units + torch.arange(kv)[:, None] * d).flatten()
-    w = attn.v_proj.weight.detach().clone()
-    b = None if attn.v_proj.bias is None else attn.v_proj.bias.detach().clone()
-    w[rows] = 0
-    if b is not None:
-        b[rows] = 0
-    attn.v_proj = new_linear(w, b, attn.v_proj)
+    attn.v_proj = _zero_output_rows(attn.v_proj, rows)
     # the o_proj columns that read those channels, for every query head of the group
     q_heads = (torch.arange(kv)[:, None] * group + torch.arange(group)[None, :]).flatten()
     cols = (units.repeat_interleave(group, 0) + q_heads[:, None] * d).flatten()
