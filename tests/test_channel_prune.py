@@ -201,3 +201,141 @@ def test_static_rejects_partial_rotary_and_missing_calibration():
     with pytest.raises(kvstack.SpecError, match="calibration"):
         kvstack.apply(model, _spec(_static(0.25)))
     assert getattr(model, APPLIED_ATTR, None) is None
+
+
+# --------------------------------------------------------------------- ThinK on KIVI (think-kivi)
+def _kivi(bits: int = 4) -> dict:
+    return {"kind": "quantize", "bits": bits, "group_size": 4, "residual": 4}
+
+
+def test_pruning_the_quantized_tier_with_every_channel_kept_is_exact():
+    model = tiny_model("llama")
+    ids = _ids(22)
+    kvstack.apply(model, _spec(_kivi()))
+    reference, _ = _stack_logits(model, ids, 13)
+    kvstack.apply(model, _spec(_kivi(), {"kind": "channel_prune", "ratio": 0.0, "window": 4}))
+    out, cache = _stack_logits(model, ids, 13)
+    kvstack.remove(model)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    for layer in cache.layers:  # the machinery ran: the quantized tier carries an index, no channel tier exists
+        assert layer.tiers[-1].key_index.shape[-1] == HEAD_DIM
+        assert not any(isinstance(t, ChannelPrunedTier) for t in layer.tiers)
+
+
+@torch.no_grad()
+def test_narrowing_drops_whole_key_columns_of_the_quantized_tier():
+    from kvstack.stages.quantize import QuantizedTier
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, KV_HEADS, 8, HEAD_DIM, generator=g), torch.randn(2, KV_HEADS, 8, HEAD_DIM, generator=g)
+    positions = torch.arange(8, dtype=torch.int32).expand(2, 1, -1)
+    tier = QuantizedTier(4, 4, 4, torch.float32, label="test", name="quantized")
+    tier.append(keys, values, positions)
+    slots = torch.arange(8).expand(2, 1, -1)
+    before = tier.gather(slots)[0]
+    index = torch.stack([torch.randperm(HEAD_DIM, generator=g)[:6].sort().values for _ in range(2 * KV_HEADS)])
+    index = index.view(2, KV_HEADS, 6)
+    assert tier.keep_key_channels(index, HEAD_DIM)
+    after = tier.gather(slots)[0]
+    mask = torch.zeros(2, KV_HEADS, 1, HEAD_DIM).scatter(-1, index[:, :, None, :], 1.0)
+    torch.testing.assert_close(after, before * mask, rtol=0, atol=0)  # kept channels unchanged, nothing requantized
+    query = torch.randn(2, KV_HEADS, 3, HEAD_DIM, generator=g)
+    torch.testing.assert_close(tier.logits(query, 0.5), tier.logits(query * mask, 0.5) * 1.0)
+    assert tier.key_codes.shape[-1] == 6 and tier.kernel_data() is None
+    tier.append(keys, values, positions + 8)  # later tokens arrive narrowed
+    torch.testing.assert_close(tier.gather(slots + 8)[0], before * mask, rtol=0, atol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    ratio=st.sampled_from([0.25, 0.5, 0.875]),
+    prefill=st.integers(1, 24),
+    steps=st.integers(0, 9),
+    bits=st.sampled_from([2, 4, 8]),
+)
+def test_think_on_kivi_memory_is_exact_and_keys_shrink(ratio, prefill, steps, bits):
+    model = tiny_model("llama")
+    kvstack.apply(model, _spec(_kivi(bits), {"kind": "channel_prune", "ratio": ratio, "window": 4}))
+    _, cache = _stack_logits(model, _ids(prefill + steps), prefill)
+    spec = getattr(model, APPLIED_ATTR).spec
+    kvstack.remove(model)
+    shape = kvstack.ModelShape.from_model(model)
+    seen = prefill + steps
+    assert cache.memory_bytes() == spec.memory_bound(shape, seen, prefill_len=prefill)
+    kivi_only = kvstack.StackSpec.load(_spec(_kivi(bits))).memory_bound(shape, seen, prefill_len=prefill)
+    kept = HEAD_DIM - round(ratio * HEAD_DIM)
+    quantized = cache.layers[0].tiers[-1]
+    if quantized.num_tokens:
+        saved = LAYERS * KV_HEADS * (HEAD_DIM - kept) * (quantized.num_tokens * bits // 8 + 2 * 4 * quantized.num_tokens // 4)
+        assert cache.memory_bytes() == kivi_only - saved + LAYERS * KV_HEADS * kept * INDEX_BYTES
+
+
+def test_think_on_kivi_chooses_thinks_channels_from_every_prompt_key():
+    """The quantize stage moves most of the prompt out of the full tier before channels are chosen: the choice still
+    sees every key (8-bit: the same channels as ThinK alone on the full-precision prompt)."""
+    model = tiny_model("llama")
+    ids = _ids(30)
+    kvstack.apply(model, _spec(_dynamic(0.5)))
+    _, alone = _stack_logits(model, ids, 30)
+    kvstack.apply(model, _spec(_kivi(8), {"kind": "channel_prune", "ratio": 0.5, "window": 4}))
+    _, composed = _stack_logits(model, ids, 30)
+    kvstack.remove(model)
+    for a, c in zip(alone.layers, composed.layers):
+        assert c.tiers[-1].num_tokens >= 24  # most of the prompt was quantized before the choice
+        torch.testing.assert_close(c.tiers[-1].key_index, a.tiers[-1].key_index, rtol=0, atol=0)
+
+
+def test_static_pruning_narrows_the_quantized_tier_too():
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = _ids(20)
+    kvstack.apply(model, _spec(_kivi(8), _static(0.25)), calibration=_calibration())
+    out, cache = _stack_logits(model, ids, 12)
+    spec = getattr(model, APPLIED_ATTR).spec
+    kvstack.remove(model)
+    assert torch.isfinite(out).all()
+    assert cache.memory_bytes() == spec.memory_bound(kvstack.ModelShape.from_model(model), 20, prefill_len=12)
+    widths = {layer.tiers[-1].key_codes.shape[-1] for layer in cache.layers}
+    assert sum(HEAD_DIM - w for w in widths) > 0
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([_dynamic(0.5), _kivi()], r"stages.0 \(channel_prune\).*after the quantize stage at stages.1"),
+        ([_kivi(), _dynamic(0.5)], r"recent=3 .*unset after a quantize stage"),
+        (
+            [{"kind": "quantized_prune", "bits": 4, "budget": {"tokens": 8}}, {"kind": "channel_prune", "ratio": 0.5}],
+            "without quantized_prune",
+        ),
+    ],
+)
+def test_composition_order_and_conflicts_are_explained(stages, message):
+    with pytest.raises(kvstack.SpecError, match=message):
+        kvstack.StackSpec.load(_spec(*stages))
+
+
+def test_pruned_tokens_evicted_into_the_low_rank_state_fold_their_kept_channels():
+    model = tiny_model("llama")
+    spec = _spec(
+        _kivi(),
+        {"kind": "channel_prune", "ratio": 0.5, "window": 4},
+        {"kind": "evict", "scorer": "window", "n_sink": 2},
+        {"kind": "lowrank", "rank": 4},
+        budget={"tokens": 12},
+    )
+    kvstack.apply(model, spec)
+    out, cache = _stack_logits(model, _ids(30), 20)
+    applied = getattr(model, APPLIED_ATTR).spec
+    kvstack.remove(model)
+    assert torch.isfinite(out).all()
+    for layer in cache.layers:
+        assert int(layer.kept_counts().max()) == 12
+        assert layer.tiers[-1].key_index.shape[-1] == HEAD_DIM // 2
+        assert torch.isfinite(layer.state.c).all()  # evicted tokens were folded
+    assert cache.memory_bytes() <= applied.memory_bound(kvstack.ModelShape.from_model(model), 30, prefill_len=20)
+
+
+@pytest.mark.parametrize("stages", [[_static(0.25, 0.25)], [_kivi(), {"kind": "channel_prune", "ratio": 0.5}]])
+def test_specs_round_trip_through_yaml(stages):
+    spec = kvstack.StackSpec.load(_spec(*stages))
+    assert kvstack.StackSpec.load(spec.to_yaml()) == spec

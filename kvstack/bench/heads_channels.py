@@ -2,7 +2,8 @@
 
 Runs the quality protocol (:mod:`kvstack.bench.protocol`: 32 dev passages, prefix 384, token by token, KL vs. the
 full cache) for GQA conversion (``mean`` vs. calibrated ``align``, to 2 and 1 KV heads) and channel pruning
-(``dynamic`` ThinK vs. calibrated ``static``, 25% and 50% of key channels). Calibration uses dev passages 32..63,
+(``dynamic`` ThinK vs. calibrated ``static``, 25% and 50% of key channels), and ThinK on 4-bit KIVI (the
+``think-kivi`` composition). Calibration uses dev passages 32..63,
 never the 32 evaluation passages. Memory is the cache's bytes right after the prefix over an uncompressed cache of
 the ORIGINAL model (so GQA's saving shows). Prints a markdown table and writes JSON.
 """
@@ -23,6 +24,8 @@ from . import protocol
 EVAL_PASSAGES = 32
 CALIBRATION = slice(32, 64)
 
+KIVI_4 = {"kind": "quantize", "bits": 4, "group_size": 32, "value_group_size": "head_dim", "residual": 32}
+
 STACKS: list[tuple[str, dict]] = [
     ("full (identity stack)", {"stages": []}),
     ("gqa mean -> 2 KV heads", {"stages": [{"kind": "gqa", "kv_heads": 2, "method": "mean"}]}),
@@ -32,11 +35,16 @@ STACKS: list[tuple[str, dict]] = [
     ("channel_prune dynamic, keys -25%", {"stages": [{"kind": "channel_prune", "ratio": 0.25}]}),
     ("channel_prune static, keys -25%", {"stages": [{"kind": "channel_prune", "mode": "static", "ratio": 0.25}]}),
     ("channel_prune dynamic, keys -50%", {"stages": [{"kind": "channel_prune", "ratio": 0.5}]}),
+    ("channel_prune dynamic, keys -40% (3 of 8)", {"stages": [{"kind": "channel_prune", "ratio": 0.4}]}),
     ("channel_prune static, keys -50%", {"stages": [{"kind": "channel_prune", "mode": "static", "ratio": 0.5}]}),
     (
         "channel_prune static, keys -25%, values -25%",
         {"stages": [{"kind": "channel_prune", "mode": "static", "ratio": 0.25, "value_ratio": 0.25}]},
     ),
+    ("kivi-4 (reference for the compositions below)", {"stages": [KIVI_4]}),
+    ("kivi-4 + dynamic keys -25%", {"stages": [KIVI_4, {"kind": "channel_prune", "ratio": 0.25}]}),
+    ("kivi-4 + dynamic keys -40%", {"stages": [KIVI_4, {"kind": "channel_prune", "ratio": 0.4}]}),
+    ("think-kivi preset: kivi-4 + dynamic keys -50%", {"stages": [KIVI_4, {"kind": "channel_prune", "ratio": 0.5}]}),
 ]
 
 

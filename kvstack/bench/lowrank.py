@@ -29,6 +29,7 @@ from kvstack.stack.memory import POSITION_BYTES, _itemsize
 from kvstack.stack.shape import ModelShape
 from kvstack.stack.spec import StackSpec
 from kvstack.stages.lowrank_learned import (
+    DEFAULT_STEPS,
     calibrate,
     capture,
     merged_attention,
@@ -143,7 +144,7 @@ def main() -> None:
     p.add_argument("--calibration", type=int, default=32, help="calibration passages (from index 32 on)")
     p.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.125], help="memory targets")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200, help="calibration steps")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="calibration steps")
     p.add_argument("--prefix", type=int, default=384)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--out", default="lowrank_results.json", help="JSON output (kernels are written next to it)")

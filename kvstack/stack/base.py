@@ -3,6 +3,7 @@
 A stage file in ``kvstack/stages/`` defines a ``StageSpec`` subclass with a unique ``kind`` literal, decorates it with
 ``@register_stage``, and implements whichever hooks it needs. The stack calls them in spec order:
 
+* ``validate_with(budget)``, ``validate_in_stack(position, stages)`` — when the spec is loaded.
 * ``validate_for(shape)`` — before anything is touched; raise :class:`SpecError` naming the model's dimension.
 * ``prepare_model(model, calibration)`` — model surgery stages only (GQA conversion, static channel pruning).
 * ``plan_memory(plan)`` — transform the analytic :class:`MemoryPlan` (the bound property tests check).
@@ -64,6 +65,10 @@ class StageSpec(BaseModel):
 
     def validate_with(self, stack_budget: Budget | None) -> None:
         """Checks that need the stack-wide budget but no model (run when the spec is loaded)."""
+
+    def validate_in_stack(self, position: int, stages: "list[StageSpec]") -> None:
+        """Checks against the other stages of the stack (this one is ``stages[position]``), run when the spec is
+        loaded."""
 
     def validate_for(self, shape: "ModelShape", stack_budget: Budget | None) -> None:
         """Raise :class:`SpecError` if this stage cannot run on a model of this shape."""

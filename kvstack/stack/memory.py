@@ -38,11 +38,14 @@ def full_cache_bytes(config_or_shape, seq_len: int, batch: int = 1, dtype: torch
 @dataclass
 class TierPlan:
     """At most ``tokens`` tokens per (batch row, KV head); ``bytes_for(n)`` is what n such tokens cost per batch row
-    (all KV heads of the layer, positions included)."""
+    (all KV heads of the layer, positions included). ``without_key_channels(c)``, for tiers that can drop key
+    channels in place (see ``ExactTier.keep_key_channels``), is ``bytes_for`` once ``c`` key channels per head are
+    dropped."""
 
     name: str
     tokens: int
     bytes_for: Callable[[int], int]
+    without_key_channels: Callable[[int], Callable[[int], int]] | None = None
 
     @property
     def bytes(self) -> int:

@@ -49,6 +49,7 @@ class StackSpec(BaseModel):
         for i, stage in enumerate(self.stages):
             try:
                 stage.validate_with(self.budget)
+                stage.validate_in_stack(i, self.stages)
             except SpecError as err:
                 raise ValueError(f"stages.{i} ({stage.kind}): {err}") from None
         return self

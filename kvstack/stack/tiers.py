@@ -127,6 +127,28 @@ class ExactTier(Tier):
         or None when the kernel does not cover this tier (attention then takes the torch path)."""
         return None
 
+    def keep_key_channels(self, index: torch.Tensor, head_dim: int) -> bool:
+        """Store only the key channels ``index`` [B, Hkv, Dk'] (of ``head_dim``) of this tier's tokens, now and for
+        tokens appended later (``kind: channel_prune`` narrowing a reduced-precision tier); ``gather`` still returns
+        full-width keys (zeros in the dropped channels). False: this tier cannot, and the caller keeps pruned tokens
+        elsewhere."""
+        return False
+
+
+def take_channels(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """x [B, H, T, D] -> the channels ``index`` [B, H, D'] of every token (None: all)."""
+    if index is None:
+        return x
+    return x.gather(-1, index[:, :, None, :].expand(-1, -1, x.shape[2], -1))
+
+
+def widen_channels(x: torch.Tensor, index: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Inverse of :func:`take_channels`: kept channels back at their places, zeros elsewhere."""
+    if index is None:
+        return x
+    out = x.new_zeros(*x.shape[:-1], width)
+    return out.scatter(-1, index[:, :, None, :].expand(-1, -1, x.shape[2], -1), x)
+
 
 def gather_records(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Per-token records [B, Hd, T] at slots ``index`` [B, Hi, K]; a width-1 side is shared by every head (a record

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.stack.tiers import ExactTier, gather_tokens, select_positions
+from kvstack.stack.tiers import ExactTier, gather_tokens, select_positions, take_channels, widen_channels
 
 INDEX_DTYPE = torch.int64
 INDEX_BYTES = 8
@@ -34,33 +34,18 @@ class ChannelPrunedTier(ExactTier):
         self.values = like.new_empty(b, h, 0, kept_v)
         self.positions = torch.empty(b, 1, 0, dtype=torch.int32, device=like.device)
 
-    @staticmethod
-    def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        """x [B, H, T, D] -> the channels ``index`` [B, H, D'] of every token."""
-        if index is None:
-            return x
-        return x.gather(-1, index[:, :, None, :].expand(-1, -1, x.shape[2], -1))
-
-    @staticmethod
-    def _widen(x: torch.Tensor, index: torch.Tensor | None, width: int) -> torch.Tensor:
-        """Inverse of ``_take``: kept channels back at their places, zeros elsewhere."""
-        if index is None:
-            return x
-        out = x.new_zeros(*x.shape[:-1], width)
-        return out.scatter(-1, index[:, :, None, :].expand(-1, -1, x.shape[2], -1), x)
-
     def logits(self, query, scaling):
-        q = self._take(query, self.key_index)
+        q = take_channels(query, self.key_index)
         return torch.matmul(q, self.keys.to(q.dtype).transpose(-1, -2)) * scaling
 
     def mix(self, weights):
         out = torch.matmul(weights, self.values.to(weights.dtype))
-        return self._widen(out, self.value_index, self.head_dim)
+        return widen_channels(out, self.value_index, self.head_dim)
 
     def gather(self, index):
         """Full-width keys/values (pruned channels zero): what a state tier folds in or another tier receives."""
-        keys = self._widen(gather_tokens(self.keys, index), self.key_index, self.head_dim)
-        return keys, self._widen(gather_tokens(self.values, index), self.value_index, self.head_dim)
+        keys = widen_channels(gather_tokens(self.keys, index), self.key_index, self.head_dim)
+        return keys, widen_channels(gather_tokens(self.values, index), self.value_index, self.head_dim)
 
     def select(self, index, slot_valid):
         self.keys = gather_tokens(self.keys, index)
@@ -73,8 +58,8 @@ class ChannelPrunedTier(ExactTier):
             hp = max(positions.shape[1], self.positions.shape[1])
             positions = positions.expand(-1, hp, -1)
             self.positions = self.positions.expand(-1, hp, -1)
-        self.keys = torch.cat([self.keys, self._take(keys, self.key_index).to(self.keys.dtype)], dim=-2)
-        self.values = torch.cat([self.values, self._take(values, self.value_index).to(self.values.dtype)], dim=-2)
+        self.keys = torch.cat([self.keys, take_channels(keys, self.key_index).to(self.keys.dtype)], dim=-2)
+        self.values = torch.cat([self.values, take_channels(values, self.value_index).to(self.values.dtype)], dim=-2)
         self.positions = torch.cat([self.positions, positions], dim=-1)
         self._append_token_data(keys.shape[-2], records)
 

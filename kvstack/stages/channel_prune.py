@@ -28,6 +28,17 @@ channels plus their index, so ``memory_bytes`` really shrinks; attention slices 
   For models with ``k_norm`` (Qwen3, Gemma3) zeroed channels also change the norm's RMS of the kept ones — that
   is part of the pruned model's function and included in the measured sensitivity.
 
+With quantization (ThinK on KIVI, preset ``think-kivi``): put ``channel_prune`` AFTER a ``quantize`` stage. The
+first forward then chooses the channels from every key the layer holds (the quantize stage has already moved most of
+the prompt to its tier; ThinK's score reads those keys dequantized, once) and narrows the quantized tier in place:
+KIVI groups keys per channel, so dropping a channel drops whole columns of codes, scales and zero points — exact, no
+re-quantization — and tokens quantized later are stored narrowed too (``QuantizedTier.keep_key_channels``). No
+channel-pruned tier is created: the quantize residual plays the role of ``recent`` (which must stay unset), values
+and the full-precision residual keep every channel. Static mode narrows the quantized keys the same way (its pruned
+value channels are not removed from quantized values: KIVI groups values per token across channels). The fused CUDA
+decode kernel reads every key channel, so a narrowed tier takes the torch attention path. ``quantized_prune`` is not
+supported together with channel pruning (a clear error).
+
 Parameters: ``ratio`` — fraction of key channels removed, ``0 <= ratio < 1`` (0: nothing removed, the identity;
 a ratio that rounds to zero channels, or to no channel left, is an error); ``value_ratio`` (static only) —
 fraction of value channels removed; ``window``, ``recent`` (dynamic only; ThinK's 32 and 32).
@@ -58,6 +69,8 @@ from ._calibration import (
 )
 from ._channel_tier import INDEX_BYTES, ChannelPrunedTier
 
+THINK_WINDOW = THINK_RECENT = 32  # ThinK's observation window and recent tokens
+
 #: most pruning levels measured per layer for the sensitivity curve (linear interpolation between them)
 SENSITIVITY_LEVELS = 8
 
@@ -72,11 +85,24 @@ class ChannelPruneSpec(StageSpec):
     )
     ratio: float = Field(ge=0.0, lt=1.0, description="Fraction of key channels removed (0 <= ratio < 1).")
     value_ratio: float = Field(default=0.0, ge=0.0, lt=1.0, description="static: fraction of value channels removed.")
-    window: int = Field(default=32, ge=1, description="dynamic: last queries of the prompt that score channels.")
-    recent: int = Field(default=32, ge=0, description="dynamic: newest tokens that keep every channel.")
+    window: int | None = Field(
+        default=None,
+        ge=1,
+        description=f"dynamic: last queries of the prompt that score channels (default {THINK_WINDOW}).",
+    )
+    recent: int | None = Field(
+        default=None,
+        ge=0,
+        description=f"dynamic: newest tokens that keep every channel (default {THINK_RECENT}; unset after quantize, "
+        "whose residual plays this role).",
+    )
 
     #: static mode, set by prepare_model: per layer (key_index [Hkv, Dk'], value_index [Hkv, Dv'] or None)
     _channels: list[tuple[torch.Tensor, torch.Tensor | None]] | None = PrivateAttr(default=None)
+
+    @property
+    def recent_tokens(self) -> int:
+        return THINK_RECENT if self.recent is None else self.recent
 
     @property
     def modifies_model(self) -> bool:  # type: ignore[override]
@@ -88,8 +114,27 @@ class ChannelPruneSpec(StageSpec):
             raise spec_error("value_ratio", self.value_ratio, "0 in mode 'dynamic' (ThinK prunes keys only)")
         if self.mode == "static":
             for name in ("window", "recent"):
-                if name in self.model_fields_set:
+                if getattr(self, name) is not None:
                     raise spec_error(name, getattr(self, name), "unset in mode 'static' (every token is pruned)")
+
+    def validate_in_stack(self, position: int, stages) -> None:
+        quantizers = [(i, s) for i, s in enumerate(stages) if s.kind == "quantize" and s.bits != 16]
+        if any(s.kind == "quantized_prune" for s in stages):
+            raise spec_error(
+                "kind", self.kind, "a stack without quantized_prune (compose channel pruning with kind: quantize)"
+            )
+        later = [i for i, _ in quantizers if i > position]
+        if later:
+            raise spec_error(
+                "kind",
+                self.kind,
+                f"a place after the quantize stage at stages.{later[0]}: channel pruning narrows the keys of the "
+                "quantized tier, which must exist first (ThinK on KIVI)",
+            )
+        if quantizers and self.recent is not None:
+            raise spec_error(
+                "recent", self.recent, "unset after a quantize stage (its residual keeps every channel)"
+            )
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
@@ -151,7 +196,14 @@ class ChannelPruneSpec(StageSpec):
             full = layer.tier("full")
             if full is None:
                 continue
-            moved = full.tokens if self.mode == "static" else max(0, full.tokens - self.recent)
+            narrowed = [t for t in layer.tiers if t.without_key_channels is not None]
+            if narrowed:  # the quantized tiers hold the pruned tokens (keys only), each with its own index
+                for tier in narrowed:
+                    tier.bytes_for = tier.without_key_channels(k_drop)
+                if plan.seq_len:
+                    layer.state_bytes += len(narrowed) * heads * (d - k_drop) * INDEX_BYTES
+                continue
+            moved = full.tokens if self.mode == "static" else max(0, full.tokens - self.recent_tokens)
             full.tokens -= moved
             full_cost = full.bytes_for
             saved = heads * (k_drop + v_drop) * item
@@ -332,42 +384,61 @@ class ChannelPruneStage(Stage):
     def __init__(self, spec, shape, stack_budget) -> None:
         super().__init__(spec, shape, stack_budget)
         self.kept = spec.dynamic_kept(shape.head_dim) if spec.mode == "dynamic" else None
+        self.key = f"channel_prune:{id(self)}"  # in layer.scratch once the layer's channels are chosen
 
     @staticmethod
     def tier(layer) -> ChannelPrunedTier | None:
         return next((t for t in layer.tiers if isinstance(t, ChannelPrunedTier)), None)
 
     def attention_request(self, layer, query_length):
-        if self.spec.mode == "dynamic" and self.tier(layer) is None:
+        if self.spec.mode == "dynamic" and self.key not in layer.scratch:
             return StatsRequest(keep_query=True)
         return None
 
     def after_attention(self, layer, stats) -> None:
+        if self.key not in layer.scratch:  # the first forward chooses the channels
+            layer.scratch[self.key] = True
+            if self.spec.mode == "dynamic":
+                key_index, value_index = self.dynamic_channels(layer, stats)
+            else:
+                key_index, value_index = self.static_channels(layer)
+            narrowed = False
+            for other in layer.tiers:
+                if other is not layer.full:
+                    narrowed |= other.keep_key_channels(key_index, self.shape.head_dim)
+            if not narrowed:  # no quantized tier to narrow: pruned tokens get a tier of their own
+                layer.tiers.append(ChannelPrunedTier(key_index, value_index, self.shape.head_dim, layer.full.keys))
         tier = self.tier(layer)
         if tier is None:
-            tier = self.dynamic_tier(layer, stats) if self.spec.mode == "dynamic" else self.static_tier(layer)
-            layer.tiers.append(tier)
+            return
         full = layer.full
         if not full.num_tokens:
             return
         move = full.positions >= 0
         if self.spec.mode == "dynamic":
-            move = move & (full.positions < layer.seen - self.spec.recent)
+            move = move & (full.positions < layer.seen - self.spec.recent_tokens)
         layer.demote(full, move, tier)
 
-    def dynamic_tier(self, layer, stats) -> ChannelPrunedTier:
-        keys = layer.full.keys.to(torch.float32 if layer.full.keys.dtype != torch.float64 else torch.float64)
-        valid = (layer.full.positions >= 0)[..., None].to(keys.dtype)  # [B, Hp, T, 1]
-        b, h, _, d = keys.shape
-        query = stats.query[:, :, -self.spec.window :, :].to(keys.dtype)  # [B, Hq, w, D]
+    def dynamic_channels(self, layer, stats) -> tuple[torch.Tensor, None]:
+        """ThinK's key channels per (row, KV head) from every key the layer holds (other stages, e.g. quantize,
+        may already have moved some of the prompt out of the full tier)."""
+        dtype = torch.float64 if layer.full.keys.dtype == torch.float64 else torch.float32
+        energy = 0
+        for tier in layer.tiers:
+            if tier.num_tokens:
+                slots = torch.arange(tier.num_tokens, device=tier.positions.device)
+                keys = tier.gather(slots.expand(tier.positions.shape[0], 1, -1))[0].to(dtype)
+                valid = tier.valid()[..., None].to(dtype)  # [B, Hp, T, 1]
+                energy = energy + ((keys * valid) ** 2).sum(-2)  # [B, Hkv, D]
+        b, h, d = energy.shape
+        query = stats.query[:, :, -(self.spec.window or THINK_WINDOW) :, :].to(dtype)  # [B, Hq, w, D]
         query = query.reshape(b, h, -1, d)  # query head h*G+g reads KV head h
-        score = (query**2).sum(-2) * ((keys * valid) ** 2).sum(-2)  # [B, Hkv, D]
-        index = score.topk(self.kept, dim=-1).indices.sort(-1).values
-        return ChannelPrunedTier(index, None, d, layer.full.keys)
+        score = (query**2).sum(-2) * energy
+        return score.topk(self.kept, dim=-1).indices.sort(-1).values, None
 
-    def static_tier(self, layer) -> ChannelPrunedTier:
+    def static_channels(self, layer) -> tuple[torch.Tensor, torch.Tensor | None]:
         key_index, value_index = self.spec._channels[layer.layer_idx]
         keys = layer.full.keys
         b = keys.shape[0]
         expand = lambda i: None if i is None else i.to(keys.device)[None].expand(b, -1, -1).contiguous()  # noqa: E731
-        return ChannelPrunedTier(expand(key_index), expand(value_index), keys.shape[-1], keys)
+        return expand(key_index), expand(value_index)

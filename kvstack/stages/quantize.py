@@ -41,7 +41,7 @@ from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import KVStackError
 from kvstack.stack.memory import POSITION_BYTES, TierPlan, _itemsize
 from kvstack.stack.registry import register_stage
-from kvstack.stack.tiers import EMPTY, ExactTier, gather_records, gather_tokens
+from kvstack.stack.tiers import EMPTY, ExactTier, gather_records, gather_tokens, take_channels, widen_channels
 
 QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -77,12 +77,14 @@ def check_quant_shape(shape, bits: int, value_group) -> None:
         raise spec_error("value_group_size", vg, f"a multiple of {PACK_FACTOR[bits]} for bits={bits}")
 
 
-def quantized_slot_bytes(shape, dtype, bits: int, group_size: int, value_group: int, extra_per_slot: int):
+def quantized_slot_bytes(
+    shape, dtype, bits: int, group_size: int, value_group: int, extra_per_slot: int, key_dim: int | None = None
+):
     """Cost of ``n`` tokens in a quantized tier per batch row (all KV heads): ``group_size * ceil(n / group_size)``
     slots of codes + per-group scale and zero (keys) + per-token scale and zero (values) + ``extra_per_slot``
-    (positions and per-token records)."""
+    (positions and per-token records). ``key_dim``: key channels stored (default all)."""
     e = _itemsize(dtype)
-    h, dk, dv = shape.num_kv_heads, shape.head_dim, shape.value_dim
+    h, dk, dv = shape.num_kv_heads, shape.head_dim if key_dim is None else key_dim, shape.value_dim
 
     def cost(n: int) -> int:
         slots = group_size * math.ceil(n / group_size)
@@ -100,9 +102,15 @@ class QuantizedTier(ExactTier):
     ``value_codes`` uint8 [B, Hkv, T, Dv / pf], ``value_scale`` / ``value_zero`` [B, Hkv, T, Dv / Gv] (model dtype),
     ``positions`` [B, 1 | Hkv, T] and ``token_data``. ``T`` is always a multiple of ``G``; empty slots (holes)
     have position -1.
+
+    Key channel pruning (``kind: channel_prune`` with this tier in the layer): ``key_index`` [B, Hkv, Dk'] lists the
+    key channels kept; ``Dk`` above is then ``Dk'``. Keys are grouped per channel, so dropping channels drops whole
+    columns of codes, scales and zero points: exact, nothing is re-quantized.
     """
 
-    _tensor_names = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "positions")
+    _tensor_names = (
+        "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "positions", "key_index"
+    )
 
     def __init__(self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str):
         self.name = name
@@ -112,6 +120,7 @@ class QuantizedTier(ExactTier):
         self.dtype = dtype
         self.label = label
         self.token_data = {}
+        self.head_dim: int | None = None  # full key width, once key channels are pruned
         for n in self._tensor_names:
             setattr(self, n, None)
 
@@ -138,17 +147,31 @@ class QuantizedTier(ExactTier):
     # ------------------------------------------------------------------------------- attention side
     def logits(self, query, scaling):
         keys = dequantize(self.key_groups(), query.dtype)  # temporary of this call only
+        query = take_channels(query, self.key_index)
         return torch.matmul(query, keys.transpose(-1, -2)) * scaling
 
     def mix(self, weights):
         return torch.matmul(weights, dequantize(self.value_groups(), weights.dtype))
 
     def kernel_data(self):
+        if self.key_index is not None:  # the fused kernel reads every key channel
+            return None
         return QuantTierData(self.key_groups(), self.value_groups(), self.positions)
 
     def gather(self, index):
         keys, values = dequantize(self.key_groups()), dequantize(self.value_groups())
-        return gather_tokens(keys, index), gather_tokens(values, index)
+        keys = widen_channels(gather_tokens(keys, index), self.key_index, self.head_dim)
+        return keys, gather_tokens(values, index)
+
+    def keep_key_channels(self, index, head_dim) -> bool:
+        if self.key_index is not None:
+            raise KVStackError(f"{self.label}: key channels are already pruned")
+        if self.key_codes is not None:  # per-channel groups: whole columns of codes, scales and zeros go
+            self.key_codes = take_channels(self.key_codes, index).contiguous()
+            self.key_scale = take_channels(self.key_scale, index).contiguous()
+            self.key_zero = take_channels(self.key_zero, index).contiguous()
+        self.key_index, self.head_dim = index, head_dim
+        return True
 
     def bytes_per_token(self) -> float:
         h, dk = self.key_codes.shape[1], self.key_codes.shape[-1]
@@ -171,6 +194,7 @@ class QuantizedTier(ExactTier):
         keys, values = gather_tokens(keys, source), gather_tokens(values, source)
         positions = positions.gather(-1, order)
         records = {k: gather_records(v, order) for k, v in records.items()}
+        keys = take_channels(keys, self.key_index)
         n = keys.shape[-2]
         pad = (-n) % self.group_size
         if pad:
@@ -310,9 +334,12 @@ class QuantizeSpec(StageSpec):
         for layer, window in zip(plan.layers, shape.layer_windows):
             full = layer.tier("full")
             extra = full.bytes_for(1) - kv_bytes  # positions and per-token records move with the tokens
-            cost = quantized_slot_bytes(
-                shape, plan.dtype, self.bits, g, value_group_for(self.value_group_size, g, shape), extra
-            )
+            vg = value_group_for(self.value_group_size, g, shape)
+
+            def cost_without(dropped: int, extra=extra, vg=vg):
+                return quantized_slot_bytes(shape, plan.dtype, self.bits, g, vg, extra, shape.head_dim - dropped)
+
+            cost = cost_without(0)
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
                 residual = kivi_residual(plan.seq_len, plan.prefill_len, r, g, window)
@@ -321,7 +348,7 @@ class QuantizeSpec(StageSpec):
                 residual = max(range(min(c, r + g - 1) + 1), key=lambda x: full.bytes_for(x) + cost(c - x))
             quantized = full.tokens - residual
             full.tokens = residual
-            layer.tiers.append(TierPlan("quantized", quantized, cost))
+            layer.tiers.append(TierPlan("quantized", quantized, cost, cost_without))
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
         return None if self.bits == 16 else QuantizeStage(self, shape, stack_budget)
