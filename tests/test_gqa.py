@@ -162,3 +162,9 @@ def test_align_without_calibration_leaves_the_model_unchanged():
         kvstack.apply(model, _gqa(1, "align"))
     assert model.config.num_key_value_heads == 2 and getattr(model, APPLIED_ATTR, None) is None
     torch.testing.assert_close(model(ids).logits, reference, rtol=0, atol=0)
+
+
+def test_gqa_must_be_the_first_stage():
+    spec = {"stages": [{"kind": "quantize", "bits": 4, "group_size": 4, "residual": 4}, {"kind": "gqa", "kv_heads": 1}]}
+    with pytest.raises(kvstack.SpecError, match=r"stages.1 \(gqa\): kind='gqa' .*first stage only"):
+        kvstack.StackSpec.load(spec)

@@ -57,6 +57,15 @@ class GQASpec(StageSpec):
         default="mean", description="mean: pool projections; align: calibrated grouping + rotations, then pool."
     )
 
+    def validate_in_stack(self, position: int, stages) -> None:
+        if position:
+            raise spec_error(
+                "kind",
+                self.kind,
+                f"the first stage only (it is stages.{position}): it changes the model's KV heads, which every later "
+                "stage's tiers and memory bound are priced with",
+            )
+
     def validate_for(self, shape, stack_budget) -> None:
         reject_fused("gqa", shape.model_type)
         if shape.num_kv_heads % self.kv_heads:
