@@ -74,7 +74,8 @@ def layer_errors(data, layers, shape, spec: StackSpec, prefix: int, maps=None, c
             if maps is None:
                 out = merged_attention(q, k, v, d["scaling"], kept, evicted)
             else:
-                lq, lk = maps[layer].log_query(q, d["scaling"]), maps[layer].log_key(k, d["scaling"])
+                lk = maps[layer].log_key(k, d["scaling"])  # keys first: a centred map takes its centre from them
+                lq = maps[layer].log_query(q, d["scaling"])
                 out = merged_attention(q, k, v, d["scaling"], kept, evicted, lq.float(), lk.float())
             total += float((out - target).pow(2).mean()) * len(idx)
         errors.append(total / d["k"].shape[0])
