@@ -121,11 +121,30 @@ def test_stack_cache_without_stack_attention_is_an_error():
         model(ids, cache=cache)
 
 
-def test_plain_cache_with_stack_attention_is_an_error():
+def test_forwards_without_a_stack_cache_run_the_original_attention_exactly():
     model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding goes through the original mask function
+    plain = model(ids, attention_mask=mask).logits
+    loss = model(ids, labels=ids).loss
+    with kvstack.applied(model, "streaming"):
+        assert model.config._attn_implementation == "kvstack"
+        assert torch.equal(model(ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits, plain)
+        assert torch.equal(model(ids, attention_mask=mask, use_cache=False).logits, plain)
+        assert torch.equal(model(ids, labels=ids).loss, loss)
+        greedy = model.generate(ids[:1], max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(greedy, model.generate(ids[:1], max_new_tokens=4, do_sample=False, use_cache=False))
+
+
+def test_stack_cache_after_an_interrupted_forward_is_not_confused():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 6))
+    plain = model(ids).logits
     with kvstack.applied(model, "identity"):
-        with pytest.raises(CacheUsageError, match="KVStackCache"):
-            model(torch.randint(3, 128, (1, 4)), cache=DynamicCache(config=model.config))
+        cache = kvstack.cache_for(model)
+        cache.layers[0].update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))  # an update whose attention never ran
+        assert torch.equal(model(ids).logits, plain)  # a DynamicCache forward ignores the stale layer
 
 
 def test_reorder_and_batch_select_act_on_all_tiers():

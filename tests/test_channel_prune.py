@@ -240,7 +240,13 @@ def test_narrowing_drops_whole_key_columns_of_the_quantized_tier():
     mask = torch.zeros(2, KV_HEADS, 1, HEAD_DIM).scatter(-1, index[:, :, None, :], 1.0)
     torch.testing.assert_close(after, before * mask, rtol=0, atol=0)  # kept channels unchanged, nothing requantized
     query = torch.randn(2, KV_HEADS, 3, HEAD_DIM, generator=g)
-    torch.testing.assert_close(tier.logits(query, 0.5), tier.logits(query * mask, 0.5) * 1.0)
+    keys_read = tier.attention_block(0, 8, torch.float32)[0]  # the narrowed keys attention reads
+
+    def logits(q):
+        return tier.attention_query(q) @ keys_read.transpose(-1, -2)
+
+    assert keys_read.shape[-1] == 6
+    torch.testing.assert_close(logits(query), logits(query * mask))  # dropped channels play no part
     assert tier.key_codes.shape[-1] == 6 and tier.kernel_data() is None
     tier.append(keys, values, positions + 8)  # later tokens arrive narrowed
     torch.testing.assert_close(tier.gather(slots + 8)[0], before * mask, rtol=0, atol=0)

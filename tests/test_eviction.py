@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch.nn.functional as F
 from archs import tiny_model
 
 import kvstack
-from kvstack.stack.attention import stack_attention
 from kvstack.stack.cache import StackLayer
 from kvstack.stack.shape import ModelShape
 from kvstack.stages.evict import EvictSpec, block_keep
@@ -25,10 +23,9 @@ def run_layer(steps, **fields):
     """Feed (q [B,Hq,n,D], k, v [B,Hkv,n,D]) forwards through one cache layer with an evict stage; returns the layer."""
     spec = EvictSpec(**fields)
     layer = StackLayer(0, SHAPE, [spec.build(SHAPE, None)])
-    module = SimpleNamespace(layer_idx=0, training=False)
     for q, k, v in steps:
         layer.update(k, v)
-        stack_attention(module, q, None if k is None else k, v, None, scaling=D**-0.5)
+        layer.attend(q, scaling=D**-0.5)
     return layer
 
 

@@ -8,7 +8,7 @@ import torch
 from archs import tiny_model
 
 import kvstack
-import kvstack.stack.attention as attention
+import kvstack.stack.engine as engine
 
 STACKS = {
     "streaming": {"budget": {"tokens": 12}, "stages": [{"kind": "evict", "n_sink": 2}]},
@@ -44,8 +44,8 @@ def test_fused_decode_matches_torch_path(name, monkeypatch):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 28))
     calls = []
-    original = attention.tiered_attention
-    monkeypatch.setattr(attention, "tiered_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = engine.tiered_attention
+    monkeypatch.setattr(engine, "tiered_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
 
     monkeypatch.setenv("KVSTACK_KERNELS", "torch")
     reference, kept_ref = decode(model, STACKS[name], ids)

@@ -89,6 +89,7 @@ def test_folding_one_at_a_time_equals_one_batch():
 
     whole, single = _tier(), _tier()
     for t in (whole, single):
+        t.prepare(query, scaling)
         assert t.readout(query, scaling) is None  # empty: the attention skips it
     whole.absorb(keys, values, valid)
     for j in torch.randperm(n, generator=g).tolist():  # one at a time, in a shuffled order
@@ -109,7 +110,7 @@ def test_readout_is_on_the_exact_logit_scale():
     values = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
     query = 0.5 * torch.randn(1, 1, 4, d, generator=g, dtype=torch.float64)
     tier = _tier(rank=4096, heads=1, dim=d)
-    tier.readout(query, d**-0.5)
+    tier.prepare(query, d**-0.5)
     tier.absorb(keys, values, torch.ones(1, 1, n, dtype=torch.bool))
     log_den, value = tier.readout(query, d**-0.5)
     logits = query @ keys.transpose(-1, -2) * d**-0.5

@@ -64,6 +64,7 @@ import torch
 
 from kvstack.kernels.dispatch import use_triton
 from kvstack.kernels.lowrank_update import LowRankState, readout
+from kvstack.kernels.online_softmax import finish, log_term_partial, logits_partial, merge
 from kvstack.kernels.quant_pack import QuantizedGroups, dequantize_reference
 
 try:  # Triton is optional: the torch reference works without it.
@@ -240,8 +241,9 @@ def tiered_attention_reference(
     sliding_window: int | None = None,
     mass_rows: torch.Tensor | None = None,
 ) -> TieredAttentionResult:
-    """Plain torch: dequantize the quantized tier (temporaries), one exact softmax over all logits plus the state's
-    ``log_den`` (from ``lowrank_update.readout``).  Computes in float32 (float64 for a float64 query)."""
+    """Plain torch: dequantize the quantized tier (temporaries), merge the tiers and the state's ``log_den`` (from
+    ``lowrank_update.readout``) with the online-softmax primitive (``kvstack.kernels.online_softmax``).  Computes in
+    float32 (float64 for a float64 query)."""
     dv = _validate(query, query_positions, full, quant, state, mass_rows)
     B, H, M, _ = query.shape
     ct = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -254,7 +256,7 @@ def tiered_attention_reference(
         k = dequantize_reference(quant.keys)
         v = dequantize_reference(quant.values)
         tiers.append(("quant", k, v, quant.positions))
-    logits, values, names = [], [], []
+    partial, logits = None, {}
     for name, k, v, pos in tiers:
         lg = torch.matmul(q, k.to(ct).transpose(-1, -2)) * scaling
         if softcap:
@@ -263,30 +265,17 @@ def tiered_attention_reference(
         visible = (p >= 0) & (p <= qpos)
         if sliding_window:
             visible = visible & (qpos - p < sliding_window)
-        logits.append(lg.masked_fill(~visible, -math.inf))
-        values.append(v.to(ct))
-        names.append(name)
-    parts = list(logits)
-    state_part = None
+        logits[name] = lg.masked_fill(~visible, -math.inf)
+        partial = merge(partial, logits_partial(logits[name], v.to(ct)))
     if state is not None and not bool(state.state.is_empty().all()):
         log_den, value = readout(state.state, state.log_phi_q)
-        state_part = (log_den.to(ct), value.to(ct))
-        parts.append(state_part[0][..., None])
-    if not parts:
+        partial = merge(partial, log_term_partial(log_den.to(ct), value.to(ct)))
+    if partial is None:
         out = q.new_zeros(B, H, M, dv)
         return TieredAttentionResult(out, q.new_full((B, H, M), -math.inf))
-    lse = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1)
-    finite = torch.isfinite(lse)
-    lse_safe = torch.where(finite, lse, torch.zeros_like(lse))[..., None]
-    out = q.new_zeros(B, H, M, dv)
-    weights = {}
-    for name, lg, v in zip(names, logits, values):
-        w = torch.exp(lg - lse_safe)
-        out = out + torch.matmul(w, v)
-        weights[name] = w
-    if state_part is not None:
-        out = out + torch.exp(state_part[0][..., None] - lse_safe) * state_part[1]
-    out = torch.where(finite[..., None], out, torch.zeros_like(out))
+    out, lse = finish(partial)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
+    weights = {name: torch.exp(lg - lse_safe) for name, lg in logits.items()}
     result = TieredAttentionResult(out, lse)
     if mass_rows is not None:
         r = mass_rows.to(device=query.device, dtype=ct)

@@ -1,7 +1,8 @@
 """One call: ``kvstack.apply(model, preset)`` prepares a model so that ``generate`` uses a composed cache.
 
 ``apply`` validates the spec against the model's config before touching anything, performs model-surgery stages,
-installs the stack's attention function and wraps ``model.generate`` (an instance attribute, so ``remove`` restores
+installs the stack's attention function (a forward without a ``KVStackCache`` still runs the model's original
+attention: losses, perplexity and ``use_cache=False`` are unchanged) and wraps ``model.generate`` (an instance attribute, so ``remove`` restores
 the class method) to pass a fresh :class:`KVStackCache` unless the caller passes a cache. On any failure every change
 is undone: a failed ``apply`` leaves the model as it was.
 """
@@ -60,6 +61,7 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
         model.set_attn_implementation(attention.ATTN_NAME)
         if model.config._attn_implementation != attention.ATTN_NAME:
             raise SpecError(f"{type(model).__name__} does not accept a custom attention function")
+        attention.remember_original(model.config, state.original_attn or "sdpa")
         model.generate = _wrap_generate(model, model.generate)
         if spec.prefill_chunk:
             model.forward = prefill.wrap_forward(model.forward, spec.prefill_chunk, cache_kwarg(model))
@@ -75,6 +77,7 @@ def _restore(model, state: Applied) -> None:
     model.__dict__.pop("forward", None)
     if hasattr(model, APPLIED_ATTR):
         delattr(model, APPLIED_ATTR)
+    attention.forget_original(model.config)
     if model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     for undo in reversed(state.undo):
@@ -129,8 +132,8 @@ def _wrap_generate(model, generate):
 
     @functools.wraps(generate)
     def generate_with_stack(*args, **kwargs):
-        if kwargs.get("use_cache") is False:
-            raise CacheUsageError("generate(use_cache=False) cannot run a kvstack-prepared model; drop use_cache")
+        if kwargs.get("use_cache") is False:  # no cache: the model's original attention runs every step
+            return generate(*args, **kwargs)
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs.pop("cache", None)
             kwargs.pop("past_key_values", None)

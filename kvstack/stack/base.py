@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .cache import StackLayer
     from .memory import MemoryPlan
     from .shape import ModelShape
-    from .attention import AttentionStats, StatsRequest
+    from .stats import AttentionStats, StatsRequest
 
 
 class Budget(BaseModel):

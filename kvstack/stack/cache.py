@@ -23,17 +23,19 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
+from . import engine
 from .errors import CacheUsageError
 from .memory import POSITION_DTYPE
 from .shape import ModelShape
+from .stats import AttentionStats, StatsRequest
 from .tiers import EMPTY, ExactTier, FullTier, StateTier, gather_records, select_positions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .attention import AttentionStats
     from .base import Stage
     from .spec import StackSpec
 
-#: The layer whose ``update`` just ran; the attention call of the same layer follows in the same forward and takes it.
+#: The handoff between transformers' two calls per layer: ``update`` records its layer here, and the attention call of
+#: the same layer, which follows in the same forward, takes it (transformers passes no cache to attention functions).
 ACTIVE_LAYER: ContextVar["StackLayer | None"] = ContextVar("kvstack_active_layer", default=None)
 
 
@@ -95,15 +97,46 @@ class StackLayer(CacheLayerMixin):
 
     get_max_cache_shape = get_max_length  # transformers <= 5.16 name
 
-    # ------------------------------------------------------------------------- tokens
+    # ---------------------------------------------------------------------------- attention
+    def attend(
+        self,
+        query: torch.Tensor,
+        padding: torch.Tensor | None = None,
+        *,
+        scaling: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """The layer's attention, after ``update`` stored the forward's keys: ``query`` [B, Hq, Q, D] (post-RoPE)
+        over every tier and the state -> output [B, Hq, Q, Dv]. Then compression (``finish_forward``).
+
+        ``padding`` [B, tokens seen] (True = real token), or None when every token is real; padded new tokens are
+        never visible nor kept.
+        """
+        if not self.awaiting_attention:
+            raise CacheUsageError(f"layer {self.layer_idx}: attend() without a preceding update() of this forward")
+        q_len = query.shape[2]
+        if padding is not None:
+            if padding.shape[-1] != self.seen:
+                raise CacheUsageError(
+                    f"attention_mask has {padding.shape[-1]} columns but layer {self.layer_idx} has seen {self.seen} "
+                    "tokens including this call; pass the mask of every token seen so far (as generate does)"
+                )
+            self.mark_padding(padding[:, -q_len:])
+        request = StatsRequest.merge(stage.attention_request(self, q_len) for stage in self.stages)
+        out, stats = engine.attend(
+            self, query, request, padded=padding is not None, scaling=scaling, softcap=softcap,
+            sliding_window=sliding_window,
+        )
+        self.finish_forward(stats)
+        return out
+
     def mark_padding(self, new_valid: torch.Tensor) -> None:
         """new_valid [B, n] bool for the n tokens appended by the current forward: padding never becomes visible."""
         n = new_valid.shape[-1]
-        pos = self.full.positions
-        tail = torch.where(new_valid[:, None, :], pos[..., -n:], torch.full_like(pos[..., -n:], EMPTY))
-        self.full.positions = torch.cat([pos[..., :-n], tail], dim=-1)
+        self.full.positions[..., -n:].masked_fill_(~new_valid[:, None, :], EMPTY)  # a fresh tensor of this update
 
-    def finish_forward(self, stats: "AttentionStats") -> None:
+    def finish_forward(self, stats: AttentionStats) -> None:
         """Runs right after this layer's attention: the only place tokens leave a tier."""
         self.awaiting_attention = False
         if self.window is not None:
@@ -158,7 +191,8 @@ class StackLayer(CacheLayerMixin):
             if tier.num_tokens:
                 total = total + tier.valid().sum(-1).expand(-1, self.shape_heads())
         if isinstance(total, int):
-            return torch.zeros(1, self.shape_heads(), dtype=torch.long)
+            batch = self.full.keys.shape[0] if self.full.keys is not None else 1
+            return torch.zeros(batch, self.shape_heads(), dtype=torch.long)
         return total
 
     def shape_heads(self) -> int:

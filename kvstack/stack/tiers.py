@@ -2,9 +2,9 @@
 
 A layer holds an ordered list of *exact tiers* (every stored token has its own key/value, at full or reduced
 precision/width, and its absolute position) and at most one *state tier* (constant-size summary of tokens that left
-the exact tiers, e.g. the LESS low-rank state). The attention function asks each exact tier for its logits and its
-probability-weighted values, and the state tier for its log-denominator and value readout; it merges them under one
-normaliser. Quantized and channel-pruned tiers subclass :class:`ExactTier` in their stage files.
+the exact tiers, e.g. the LESS low-rank state). The layer's attention engine (``kvstack/stack/engine.py``) reads each
+exact tier one key block at a time (``attention_block``: dequantized or widened temporaries of that block only) and
+the state tier's log-denominator and value readout, and merges them under one normaliser. Quantized and channel-pruned tiers subclass :class:`ExactTier` in their stage files.
 
 Shapes: batch first everywhere (so beam search reorders with one ``index_select``); keys ``[B, Hkv, T, Dk]``;
 positions ``[B, Hp, T]`` int32 with ``Hp`` 1 (all heads hold the same tokens) or ``Hkv`` (head-wise selection);
@@ -91,12 +91,17 @@ class ExactTier(Tier):
         """[B, Hp, T] bool: slots holding a real (non-padding) token."""
         return self.positions >= 0
 
-    def logits(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query [B, Hkv, M, Dq] (compute dtype) -> scaled q.k logits [B, Hkv, M, T]."""
-        raise NotImplementedError
+    #: key blocks handed to attention start at multiples of this many slots (quantized tiers: one key group)
+    block_align: int = 1
 
-    def mix(self, weights: torch.Tensor) -> torch.Tensor:
-        """weights [B, Hkv, M, T] -> sum_t w_t v_t  [B, Hkv, M, Dv]."""
+    def attention_query(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, Hkv, M, D] -> the query as this tier's keys read it (a channel-pruned tier keeps its channels)."""
+        return query
+
+    def attention_block(self, start: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, Hkv, n, Dk'] (the channels ``attention_query`` keeps) and values [B, Hkv, n, Dv] (full width) of
+        slots ``start:stop`` in ``dtype``, dequantized when the tier is quantized: temporaries of one key block, so
+        attention never holds a dequantized copy of the whole tier. ``start`` is a multiple of ``block_align``."""
         raise NotImplementedError
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +207,8 @@ class FullTier(ExactTier):
         self.positions = torch.cat([self.positions, positions], dim=-1)
         self._append_token_data(keys.shape[-2], records)
 
-    def logits(self, query, scaling):
-        return torch.matmul(query, self.keys.to(query.dtype).transpose(-1, -2)) * scaling
-
-    def mix(self, weights):
-        return torch.matmul(weights, self.values.to(weights.dtype))
+    def attention_block(self, start, stop, dtype):
+        return self.keys[:, :, start:stop].to(dtype), self.values[:, :, start:stop].to(dtype)
 
     def gather(self, index):
         return gather_tokens(self.keys, index), gather_tokens(self.values, index)
@@ -232,6 +234,10 @@ class StateTier(Tier):
     """Constant-size summary of tokens that left the exact tiers (e.g. the LESS low-rank state)."""
 
     name = "state"
+
+    def prepare(self, query: torch.Tensor, scaling: float) -> None:
+        """Called once per forward before attention reads the state, with every query of the forward
+        [B, Hkv, G*Q, D] (rows ``(g, q)``, compute dtype) and the attention's scaling."""
 
     def absorb(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Fold keys/values [B, Hkv, n, D] of evicted tokens in; ``valid`` [B, Hkv, n] False entries are skipped."""

@@ -2,8 +2,9 @@
 
 Used by ``kind: channel_prune`` (ThinK, arXiv 2407.21018, and the static calibrated mode). Per (batch row, KV head)
 the tier keeps ``key_index`` [B, Hkv, Dk'] — the channels its keys hold — and optionally ``value_index``
-[B, Hkv, Dv'] for values. Attention gathers the same channels of the query (``logits``), so ``q·k`` is the sum over
-the kept channels only; ``mix`` scatters the kept value channels back to the full width (zeros elsewhere). Both
+[B, Hkv, Dv'] for values. Attention gathers the same channels of the query (``attention_query``), so ``q·k`` is the
+sum over the kept channels only; ``attention_block`` scatters the kept value channels of a key block back to the
+full width (zeros elsewhere). Both
 indices are tensors of the tier: batch-first (beam search reorders them) and counted in ``memory_bytes``.
 """
 
@@ -34,13 +35,12 @@ class ChannelPrunedTier(ExactTier):
         self.values = like.new_empty(b, h, 0, kept_v)
         self.positions = torch.empty(b, 1, 0, dtype=torch.int32, device=like.device)
 
-    def logits(self, query, scaling):
-        q = take_channels(query, self.key_index)
-        return torch.matmul(q, self.keys.to(q.dtype).transpose(-1, -2)) * scaling
+    def attention_query(self, query):
+        return take_channels(query, self.key_index)
 
-    def mix(self, weights):
-        out = torch.matmul(weights, self.values.to(weights.dtype))
-        return widen_channels(out, self.value_index, self.head_dim)
+    def attention_block(self, start, stop, dtype):
+        keys = self.keys[:, :, start:stop].to(dtype)
+        return keys, widen_channels(self.values[:, :, start:stop].to(dtype), self.value_index, self.head_dim)
 
     def gather(self, index):
         """Full-width keys/values (pruned channels zero): what a state tier folds in or another tier receives."""

@@ -51,7 +51,7 @@ from typing import Literal
 import torch
 from pydantic import Field, PrivateAttr
 
-from kvstack.stack.attention import StatsRequest
+from kvstack.stack.stats import StatsRequest
 from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import CacheUsageError
 from kvstack.stack.memory import TierPlan, _itemsize

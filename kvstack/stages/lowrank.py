@@ -170,26 +170,27 @@ class LowRankTier(StateTier):
         self.z: torch.Tensor | None = None
         self.c: torch.Tensor | None = None
         self.scaling: float | None = None
+        self.active = False  # holds folded tokens (set by prepare, once per forward)
 
     def _state(self) -> LowRankState:
         return LowRankState(self.H, self.z, self.c)
 
-    def _ready(self, query, scaling) -> bool:
-        """Allocate on first use; False while nothing has been folded."""
+    def prepare(self, query, scaling) -> None:
+        """Allocate at the first attention (it sees the batch and device); record the scaling keys fold with."""
         self.scaling = scaling
         if self.H is None:
             batch, heads = query.shape[:2]
             st = empty_state(batch, heads, self.features.rank, self.value_dim, device=query.device, dtype=self.dtype)
             self.H, self.z, self.c = st.H, st.z, st.c
-        return not bool(torch.isneginf(self.c).all())
+        self.active = not bool(torch.isneginf(self.c).all())  # one host sync per forward
 
     def readout(self, query, scaling):
-        if not self._ready(query, scaling):
+        if self.H is None or not self.active:
             return None
         return readout(self._state(), self.features.log_query(query, scaling))
 
     def kernel_data(self, query, scaling):
-        if not self._ready(query, scaling):
+        if self.H is None or not self.active:
             return None
         return StateData(self._state(), self.features.log_query(query, scaling))
 
@@ -199,6 +200,7 @@ class LowRankTier(StateTier):
         log_psi = self.features.log_key(keys, self.scaling)
         st = fold(self._state(), log_psi, values, valid)
         self.H, self.z, self.c = st.H, st.z, st.c
+        self.active = True
 
 
 class LowRankStage(Stage):

@@ -167,8 +167,10 @@ class _Capture(StateTier):
         self.query: torch.Tensor | None = None
         self.scaling: float | None = None
 
-    def readout(self, query, scaling):
+    def prepare(self, query, scaling) -> None:
         self.query, self.scaling = query.detach(), scaling
+
+    def readout(self, query, scaling):
         return None
 
     def absorb(self, keys, values, valid) -> None:  # pragma: no cover - the identity stack never evicts

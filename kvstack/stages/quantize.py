@@ -16,7 +16,8 @@ holds between ``residual`` and ``residual + group_size - 1`` tokens. KIVI moves 
 token's key and value move together (one tier, one position per slot): values wait with their key for at most
 ``group_size - 1`` steps, which costs those values' full-precision bytes and no accuracy.
 
-Attention dequantizes inside ``logits`` / ``mix`` (temporaries of one call; no dequantized copy is kept).
+Attention dequantizes one key block at a time (``attention_block``: temporaries of that block; no dequantized copy
+of the tier is kept), or the fused kernel dequantizes in registers.
 
 Removing tokens from the quantized tier (an ``evict`` stage, a sliding window, beam selection): values are per token
 and move exactly. A key group loses only the removed tokens' slots, which become holes (exact, no re-quantization);
@@ -145,13 +146,18 @@ class QuantizedTier(ExactTier):
             raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None
 
     # ------------------------------------------------------------------------------- attention side
-    def logits(self, query, scaling):
-        keys = dequantize(self.key_groups(), query.dtype)  # temporary of this call only
-        query = take_channels(query, self.key_index)
-        return torch.matmul(query, keys.transpose(-1, -2)) * scaling
+    @property
+    def block_align(self) -> int:
+        return self.group_size
 
-    def mix(self, weights):
-        return torch.matmul(weights, dequantize(self.value_groups(), weights.dtype))
+    def attention_query(self, query):
+        return take_channels(query, self.key_index)
+
+    def attention_block(self, start, stop, dtype):
+        # temporaries of one key block: whole key groups, so codes, scales and zero points slice exactly
+        keys = dequantize(self.key_groups().slice_tokens(start, stop), dtype)
+        values = dequantize(self.value_groups().slice_tokens(start, stop), dtype)
+        return keys, values
 
     def kernel_data(self):
         if self.key_index is not None:  # the fused kernel reads every key channel

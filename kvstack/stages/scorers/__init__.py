@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstack.stack.attention import AttentionStats, StatsRequest
+    from kvstack.stack.stats import AttentionStats, StatsRequest
     from kvstack.stack.cache import StackLayer
     from kvstack.stack.shape import ModelShape
     from kvstack.stack.tiers import ExactTier

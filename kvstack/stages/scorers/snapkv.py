@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstack.stack.attention import StatsRequest
+from kvstack.stack.stats import StatsRequest
 
 from . import Scorer, aligned, register_scorer
 
