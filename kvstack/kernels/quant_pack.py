@@ -224,12 +224,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor
     dim = dim % packed.dim()
     if pf == 1:
         return packed.clone()
-    p = packed.movedim(dim, -1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # [pf]
-    mask = (1 << bits) - 1
-    c = (p.unsqueeze(-1) >> shifts) & mask  # [..., n, pf]
-    c = c.reshape(*p.shape[:-1], p.shape[-1] * pf)
-    return c.movedim(-1, dim).contiguous()
+    # code i of a byte sits right after it along dim: broadcast the shifts on a new axis there, merge the two axes
+    trailing = packed.dim() - dim - 1
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(pf, *([1] * trailing))
+    c = (packed.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)  # [..., n, pf, ...]
+    return c.reshape(*packed.shape[:dim], packed.shape[dim] * pf, *packed.shape[dim + 1 :])
 
 
 # --------------------------------------------------------------------------- #
@@ -406,12 +405,15 @@ def dequantize_reference(q: QuantizedGroups, dtype: torch.dtype | None = None) -
     cg, red = _grouped(codes, q.group_size, q.axis)
     s = q.scale.float().unsqueeze(red)
     z = q.zero.float().unsqueeze(red)
-    out = cg * s + z
+    out = torch.addcmul(z, cg, s)
     # The scale is rounded up, so the top code can land slightly above the group
     # max; for groups touching the dtype's max (e.g. +-65504 in fp16) that would
-    # cast to inf. Clamping to the finite range only moves values toward the input.
-    fmax = torch.finfo(out_dtype).max
-    return out.clamp_(-fmax, fmax).reshape(q.shape).to(out_dtype)
+    # cast to inf. Clamping to the finite range only moves values toward the input
+    # (float32 and bfloat16 share float32's range: nothing to clamp there).
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        fmax = torch.finfo(out_dtype).max
+        out = out.clamp_(-fmax, fmax)
+    return out.reshape(q.shape).to(out_dtype)
 
 
 # --------------------------------------------------------------------------- #
