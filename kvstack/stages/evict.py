@@ -101,24 +101,31 @@ class EvictSpec(StageSpec, ScorerOptions):
             shape
         )
 
+    def layer_caps(self, shape, dtype, stack_budget) -> list["LayerCap"]:
+        """Per layer, the tokens per (row, KV head) it may keep after ``seen`` tokens (before the ``every`` slack):
+        everything but ``seen`` is worked out here, once per cache."""
+        budget = self.effective_budget(stack_budget)
+        ratio = None
+        if budget.tokens is None:
+            reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
+            ratio = (budget.ratio, reference, self.token_cost(shape, dtype))
+        caps = []
+        for layer_idx in range(shape.num_layers):
+            scale = None
+            if self.schedule == "pyramid" and shape.num_layers > 1:
+                scale = 1 + self.pyramid_spread * (1 - 2 * layer_idx / (shape.num_layers - 1))
+            block = self.block_size if self.granularity == "block" else None
+            caps.append(LayerCap(budget.tokens, ratio, scale, self.protected_count(), block))
+        return caps
+
     def layer_cap(self, shape, dtype, stack_budget, layer_idx: int, seen: int) -> int:
         """Tokens per (row, KV head) layer ``layer_idx`` may keep after ``seen`` tokens (before the ``every`` slack)."""
-        budget = self.effective_budget(stack_budget)
-        if budget.tokens is not None:
-            base = budget.tokens
-        else:
-            reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
-            base = ratio_tokens(budget.ratio, seen, reference, self.token_cost(shape, dtype))
-        if self.schedule == "pyramid" and shape.num_layers > 1:
-            base = int(base * (1 + self.pyramid_spread * (1 - 2 * layer_idx / (shape.num_layers - 1))))
-        cap = max(base, self.protected_count())
-        if self.granularity == "block":
-            cap = max(cap // self.block_size, 1) * self.block_size
-        return cap
+        return self.layer_caps(shape, dtype, stack_budget)[layer_idx](seen)
 
     def plan_memory(self, plan, stack_budget) -> None:
         scorer = get_scorer(self.scorer)(self, plan.shape)
         records = scorer.record_bytes_per_token(plan.shape)
+        caps = self.layer_caps(plan.shape, plan.dtype, stack_budget)
         for idx, layer in enumerate(plan.layers):
             full = layer.tier("full")
             if full is not None and (self.is_head_wise or records):
@@ -128,9 +135,9 @@ class EvictSpec(StageSpec, ScorerOptions):
             if self.phase == "decode" and plan.seq_len <= prompt:
                 continue  # the prompt itself is never compressed
             if self.phase == "prefill":  # compressed once at the prompt, then every decode token stays
-                cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, prompt) + plan.seq_len - prompt
+                cap = caps[idx](prompt) + plan.seq_len - prompt
             else:
-                cap = self.layer_cap(plan.shape, plan.dtype, stack_budget, idx, plan.seq_len)
+                cap = caps[idx](plan.seq_len)
             cap += self.every - 1
             excess = layer.tokens - cap
             for tier in reversed(layer.tiers):  # the oldest, lowest-precision tiers give way first
@@ -142,6 +149,26 @@ class EvictSpec(StageSpec, ScorerOptions):
 
     def build(self, shape, stack_budget) -> "EvictStage":
         return EvictStage(self, shape, stack_budget)
+
+
+class LayerCap:
+    """The cap of one layer as a function of the tokens seen: a fixed ``tokens`` budget, or the tokens whose bytes
+    stay within ``ratio = (r, reference bytes per token, own bytes per token)``; then the pyramid ``scale``, at least
+    the ``protected`` tokens, and whole blocks."""
+
+    __slots__ = ("tokens", "ratio", "scale", "protected", "block")
+
+    def __init__(self, tokens, ratio, scale, protected, block):
+        self.tokens, self.ratio, self.scale, self.protected, self.block = tokens, ratio, scale, protected, block
+
+    def __call__(self, seen: int) -> int:
+        base = self.tokens if self.ratio is None else ratio_tokens(self.ratio[0], seen, self.ratio[1], self.ratio[2])
+        if self.scale is not None:
+            base = int(base * self.scale)
+        cap = max(base, self.protected)
+        if self.block is not None:
+            cap = max(cap // self.block, 1) * self.block
+        return cap
 
 
 def ratio_tokens(ratio: float, seen: int, reference_bytes_per_token: float, own_bytes_per_token: float) -> int:
@@ -156,12 +183,13 @@ class EvictStage(Stage):
         super().__init__(spec, shape, stack_budget)
         self.scorer = get_scorer(spec.scorer)(spec, shape)
         self.recent = max(spec.recent, self.scorer.protected_recent())
+        self.caps = spec.layer_caps(shape, shape.dtype, stack_budget)
 
     def attention_request(self, layer, query_length):
         return self.scorer.request(layer, query_length)
 
     def budget_tokens(self, layer) -> int:
-        return self.spec.layer_cap(self.shape, self.shape.dtype, self.stack_budget, layer.layer_idx, layer.seen)
+        return self.caps[layer.layer_idx](layer.seen)
 
     def after_attention(self, layer, stats) -> None:
         self.scorer.observe(layer, stats)
@@ -169,7 +197,10 @@ class EvictStage(Stage):
         if (self.spec.phase == "prefill" and not prefill) or (self.spec.phase == "decode" and prefill):
             return
         cap = self.budget_tokens(layer)
-        if int(layer.kept_counts().max()) <= cap + self.spec.every - 1:
+        slack = self.spec.every - 1
+        if sum(t.num_tokens for t in layer.tiers) <= cap + slack:  # slots bound the kept tokens: no host sync
+            return
+        if slack and int(layer.kept_counts().max()) <= cap + slack:  # padding slots: only count when it matters
             return
         keep = self.select(layer, cap, stats)
         for tier, tier_keep in zip([t for t in layer.tiers if t.num_tokens], keep):

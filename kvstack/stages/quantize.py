@@ -389,9 +389,9 @@ class QuantizeStage(Stage):
 
     def after_attention(self, layer, stats) -> None:
         full = layer.full
-        if not full.num_tokens:
-            return
         g = self.spec.group_size
+        if full.num_tokens < self.spec.residual + g:  # not a whole group past the residual yet: no host sync
+            return
         pos = full.positions
         valid = pos >= 0
         flush = ((valid.sum(-1, keepdim=True) - self.spec.residual).clamp_min(0) // g) * g

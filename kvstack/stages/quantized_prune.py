@@ -156,22 +156,26 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
                 costs.append(h * ((dk + dv) * b / 8 + 2 * e * (dk / self.group_size + dv / vg)) + extra)
         return costs
 
-    def kept_total(self, shape, dtype, stack_budget, seen: int, held: int) -> int:
-        """N: tokens kept per (row, KV head) out of ``held``."""
+    def level_split(self, shape, dtype, stack_budget) -> "LevelSplit":
+        """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once)."""
         budget = self.effective_budget(stack_budget)
-        if budget is None:
-            return held
-        if budget.tokens is not None:
-            n = budget.tokens
-        else:
+        ratio = None
+        if budget is not None and budget.tokens is None:
             reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
             costs = self.level_costs(shape, dtype)
             if self.tiers is None:  # short form: what eviction would keep at 16 bits
                 per_token = costs[0]
             else:
                 per_token = sum(s * c for s, c in zip(self.shares(), costs))
-            n = int(math.floor(budget.ratio * seen * reference / per_token + 1e-9))
-        return min(held, max(n, self.protected_count()))
+            ratio = (budget.ratio, reference, per_token)
+        cumulative, acc = [], 0.0
+        for level in self.levels():
+            acc += level.fraction or 0.0
+            cumulative.append(None if level.rest else acc)
+        return LevelSplit(
+            budget is not None, None if budget is None else budget.tokens, ratio, self.protected_count(),
+            None if self.tiers is None else cumulative,
+        )
 
     def shares(self) -> list[float]:
         fractions = [t.fraction for t in self.levels() if not t.rest]
@@ -179,13 +183,7 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
 
     def level_counts(self, shape, dtype, stack_budget, seen: int, held: int) -> list[int]:
         """Tokens per level (per row and KV head); tokens beyond their sum are evicted."""
-        n = self.kept_total(shape, dtype, stack_budget, seen, held)
-        if self.tiers is None:
-            return [n, held - n]
-        bounds, acc = [], 0.0
-        for level in self.levels():
-            acc += level.fraction or 0.0
-            bounds.append(n if level.rest else min(n, int(math.floor(acc * n + 1e-9))))
+        bounds = self.level_split(shape, dtype, stack_budget).bounds(seen, torch.tensor([held]))[0].tolist()
         return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
     def plan_memory(self, plan, stack_budget) -> None:
@@ -211,6 +209,33 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
         return QuantizedPruneStage(self, shape, stack_budget)
 
 
+class LevelSplit:
+    """Level bounds of one stage: with ``N`` the kept count (the budget's ``tokens``, or the tokens whose amortised
+    bytes stay within ``ratio = (r, reference bytes per token, mean bytes per kept token)`` of the full cache; at
+    least the ``protected`` tokens, at most those held), level i takes ranks ``[bound_{i-1}, bound_i)`` with
+    ``bound_i = floor(cumulative_i * N)`` (``None``: the rest, ``N``). The short form (``cumulative`` None) keeps
+    ``N`` at 16 bits and demotes the rest of the held tokens."""
+
+    def __init__(self, has_budget: bool, tokens, ratio, protected: int, cumulative):
+        self.has_budget, self.tokens, self.ratio = has_budget, tokens, ratio
+        self.protected, self.cumulative = protected, cumulative
+
+    def bounds(self, seen: int, held: torch.Tensor) -> torch.Tensor:
+        """held [...] tokens per (row, head) -> cumulative level bounds [..., L] (int64, no host sync)."""
+        held = held.long()
+        n = held
+        if self.has_budget:
+            cap = self.tokens
+            if cap is None:
+                r, reference, per_token = self.ratio
+                cap = int(math.floor(r * seen * reference / per_token + 1e-9))
+            n = held.clamp_max(max(cap, self.protected))
+        if self.cumulative is None:
+            return torch.stack([n, held], -1)
+        columns = [n if c is None else torch.minimum(n, (n.double() * c + 1e-9).floor().long()) for c in self.cumulative]
+        return torch.stack(columns, -1)
+
+
 class QuantizedPruneStage(Stage):
     spec: QuantizedPruneSpec
 
@@ -220,6 +245,7 @@ class QuantizedPruneStage(Stage):
         self.recent = max(spec.recent, self.scorer.protected_recent())
         self.value_group = value_group_for(spec.value_group_size, spec.group_size, shape)
         self.key = f"quantized_prune:{id(self)}"
+        self.split = spec.level_split(shape, shape.dtype, stack_budget)
 
     def init_layer(self, layer) -> None:
         tiers = []
@@ -276,16 +302,8 @@ class QuantizedPruneStage(Stage):
         rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
         )
-        held = valid.sum(-1, keepdim=True)  # [B, W, 1]
-        counts = torch.tensor(
-            [
-                self.spec.level_counts(self.shape, self.shape.dtype, self.stack_budget, layer.seen, int(h))
-                for h in held.flatten().tolist()
-            ],
-            device=rank.device,
-        ).reshape(*held.shape[:-1], -1)
-        bounds = counts.cumsum(-1)  # [B, W, L]
+        bounds = self.split.bounds(layer.seen, valid.sum(-1))  # [B, W, L]
         level = (rank[..., None] >= bounds[..., None, :]).sum(-1)
-        level = torch.where(valid, level, torch.full_like(level, counts.shape[-1]))
+        level = torch.where(valid, level, torch.full_like(level, bounds.shape[-1]))
         return list(level.split([t.num_tokens for _, t in tiers], dim=-1))
 

@@ -152,12 +152,20 @@ def get_scorer(name: str) -> type[Scorer]:
     return _SCORERS[name]
 
 
+_loaded = False
+
+
 def _load() -> None:
+    """Import the built-in scorer files once (each registers itself); later registrations go straight in."""
+    global _loaded
+    if _loaded:
+        return
     import importlib
     import pkgutil
 
     for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
         importlib.import_module(info.name)
+    _loaded = True
 
 
 def aligned(
