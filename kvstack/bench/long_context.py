@@ -3,6 +3,7 @@
     python -m kvstack.bench.long_context [--shape llama-1b-2l|llama-8b] [--lengths 2048,8192,16384]
                                          [--stacks identity,streaming,kivi-4,obcache-kivi,max-compression]
                                          [--decode-steps 8] [--device cpu|cuda] [--out DIR]
+    python -m kvstack.bench.long_context --chunk-effect [--stacks ...]    # what chunked prefill changes
 
 Random weights, no download. Shapes: ``llama-1b-2l`` — the Llama-3.2-1B attention and MLP shape (hidden 2048,
 32 query / 8 KV heads, head_dim 64, intermediate 8192) with 2 layers, float32, for the CPU; ``llama-8b`` — the
@@ -229,6 +230,42 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def chunk_effect(presets, chunks=(64, 128), passages: int = 32) -> dict:
+    """How much stack-level chunked prefill changes quality: the quality protocol (stories260K, 384-token prefix,
+    ``kvstack.bench.protocol``) for each preset prefilled in one forward and in pieces of each of ``chunks``."""
+    from kvstack.bench.protocol import evaluate, load_model, load_passages, reference_set
+    from kvstack.stack.spec import StackSpec
+
+    model, tokenizer = load_model()
+    texts = load_passages(n=passages)
+    ids = [torch.tensor(tokenizer(t)["input_ids"][:512]) for t in texts]
+    references = reference_set(model, ids, 384)
+    rows = []
+    for preset in presets:
+        spec = StackSpec.load(preset)
+        for chunk in (None, *chunks):
+            variant = spec.model_copy(update={"prefill_chunk": chunk})
+            r = evaluate(model, tokenizer, texts, variant, name=preset, references=references)
+            rows.append({"stack": preset, "prefill_chunk": chunk, "kl": r.kl, "top1": r.top1,
+                         "memory_ratio": r.memory_ratio})
+    return {"meta": {"model": "stories260K", "prefix": 384, "passages": passages}, "rows": rows}
+
+
+def chunk_table(result: dict) -> str:
+    lines = ["| stack | one forward: KL / top-1 | "
+             + " | ".join(f"chunks of {c}: KL / top-1" for c in sorted({r['prefill_chunk'] for r in result['rows']
+                                                                      if r['prefill_chunk']})) + " |"]
+    chunks = sorted({r["prefill_chunk"] for r in result["rows"] if r["prefill_chunk"]})
+    lines.append("| --- | ---: |" + " ---: |" * len(chunks))
+    for stack in dict.fromkeys(r["stack"] for r in result["rows"]):
+        cells = []
+        for chunk in (None, *chunks):
+            r = next(x for x in result["rows"] if x["stack"] == stack and x["prefill_chunk"] == chunk)
+            cells.append(f"{r['kl']:.4f} / {r['top1']:.3f}")
+        lines.append(f"| {stack} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", nargs=5, metavar=("SHAPE", "STACK", "LENGTH", "STEPS", "DEVICE"), help=argparse.SUPPRESS)
@@ -238,7 +275,15 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("results/long_context"))
+    parser.add_argument("--chunk-effect", action="store_true",
+                        help="Instead: quality of --stacks with and without stack-level chunked prefill (stories260K).")
     args = parser.parse_args(argv)
+    if args.chunk_effect:
+        result = chunk_effect([s for s in args.stacks.split(",") if s])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "chunk_effect.json").write_text(json.dumps(result, indent=2))
+        print(chunk_table(result))
+        return
     if args.child:
         shape, stack, length, steps, device = args.child
         print(json.dumps(run_one(shape, stack, int(length), int(steps), device)))

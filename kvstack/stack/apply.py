@@ -63,8 +63,8 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
             raise SpecError(f"{type(model).__name__} does not accept a custom attention function")
         attention.remember_original(model.config, state.original_attn or "sdpa")
         model.generate = _wrap_generate(model, model.generate)
-        if spec.prefill_chunk:
-            model.forward = prefill.wrap_forward(model.forward, spec.prefill_chunk, cache_kwarg(model))
+        if spec.chunk_size():
+            model.forward = prefill.wrap_forward(model.forward, spec.chunk_size(), cache_kwarg(model))
         setattr(model, APPLIED_ATTR, state)
     except BaseException:
         _restore(model, state)

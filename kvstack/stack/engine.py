@@ -13,7 +13,8 @@ Three paths, chosen once per forward by :func:`attend`:
   the prompt inside the sliding window): the output is ``torch.nn.functional.scaled_dot_product_attention`` with
   ``is_causal`` (FlashAttention / memory-efficient kernels on CUDA, the fused CPU kernel here), in the model dtype
   exactly as transformers' ``sdpa`` runs it. Statistics that read only the last ``w`` queries (SnapKV and OBCache
-  windows, TOVA) come from a tiled pass over those queries alone.
+  windows, TOVA) come from a tiled pass over those queries alone; statistics of every query (H2O) take the tiled
+  path, which computes the output on the way.
 * **fused** — on CUDA (or ``KVSTACK_KERNELS=triton``) decode steps over the full tier, one packed quantized tier and
   the low-rank state run the Triton kernel ``kvstack/kernels/tiered_attention.py``, per-key masses reduced in it.
 * **tiled** — everything else: queries in blocks, each tier's keys in blocks (``ExactTier.attention_block``: only
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kernels.dispatch import use_triton
-from kvstack.kernels.online_softmax import finish, log_term_partial, logits_partial, merge
+from kvstack.kernels.online_softmax import SoftmaxPartial, finish, log_term_partial, logits_partial, merge
 from kvstack.kernels.tiered_attention import FullTierData, QuantTierData, mass_selector, tiered_attention
 
 from .errors import CacheUsageError
@@ -84,9 +85,9 @@ def attend(layer, query: torch.Tensor, request: StatsRequest, *, padded: bool, s
 
     if layer.state is not None:  # sees every query of the forward once, whatever the path
         layer.state.prepare(q5.reshape(batch, kv_heads, geo.group * q_len, head_dim).to(geo.compute), scaling)
-    if _fast_path_applies(layer, geo, padded):
+    rows = request.rows_needed(q_len)
+    if rows < q_len and _fast_path_applies(layer, geo, padded):  # statistics of every query: tiled does both
         out = _sdpa(layer, query, geo)
-        rows = request.rows_needed(q_len)
         if rows:  # statistics of the newest queries only: a tiled pass over those rows
             _tiled(layer, q5[:, :, :, q_len - rows :].to(geo.compute), q_pos[q_len - rows :], geo, request, stats)
     else:
@@ -255,8 +256,10 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
             part = layer.state.readout(rows, geo.scaling)
             if part is not None:
                 partial = merge(partial, log_term_partial(part[0].to(geo.compute), part[1].to(geo.compute)))
-        if partial is None:
-            raise CacheUsageError(f"layer {layer.layer_idx} holds no tokens to attend to")
+        if partial is None:  # nothing visible to any query of the block (e.g. every slot empty): zero output
+            dv = layer.full.values.shape[-1]
+            partial = SoftmaxPartial(rows.new_full(rows.shape[:-1], -math.inf), rows.new_zeros(rows.shape[:-1]),
+                                     rows.new_zeros(*rows.shape[:-1], dv))
         block_out, lse = finish(partial)
         if out is None:
             out = block_out.new_empty(b, h, g, n, block_out.shape[-1])

@@ -43,6 +43,12 @@ class StackSpec(BaseModel):
     stages: list[_stage_union()] = Field(  # type: ignore[valid-type]
         default_factory=list, description="Stages in the order they act (an empty list is the identity)."
     )
+    prefill_chunk: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prefill prompts longer than this in pieces of this many tokens; the stages compress after "
+        "each piece, so peak memory stays bounded (results may differ: docs/long-context.md).",
+    )
 
     @model_validator(mode="after")
     def _stages_fit_budget(self) -> "StackSpec":
@@ -127,9 +133,9 @@ class StackSpec(BaseModel):
     def model_stages(self) -> list[StageSpec]:
         return [s for s in self.stages if s.modifies_model]
 
-    @property
-    def prefill_chunk(self) -> int | None:
-        chunks = [c for c in (s.prefill_chunk() for s in self.stages) if c]
+    def chunk_size(self) -> int | None:
+        """Tokens per prefill forward: the smallest of the stack's ``prefill_chunk`` and any stage's own."""
+        chunks = [c for c in (self.prefill_chunk, *(s.prefill_chunk() for s in self.stages)) if c]
         return min(chunks) if chunks else None
 
     # ------------------------------------------------------------------ memory
