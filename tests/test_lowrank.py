@@ -17,11 +17,10 @@ from kvstack.stages.lowrank import LowRankTier, random_feature_maps
 HYP = settings(max_examples=8, deadline=None, derandomize=True)
 
 
-def _spec(tokens=None, n_sink=2, **lowrank):
-    stages = []
-    if tokens is not None:
-        stages.append({"kind": "evict", "scorer": "window", "n_sink": n_sink, "budget": {"tokens": tokens}})
-    stages.append({"kind": "lowrank", **lowrank})
+def _spec(tokens=10_000, n_sink=2, **lowrank):
+    """evict (window scorer) + lowrank; the default budget is never reached (lowrank alone is refused)."""
+    stages = [{"kind": "evict", "scorer": "window", "n_sink": n_sink, "budget": {"tokens": tokens}},
+              {"kind": "lowrank", **lowrank}]
     return {"name": "t", "stages": stages}
 
 
@@ -41,7 +40,7 @@ def test_empty_state_equals_identity(arch):
     model = tiny_model(arch, dtype=torch.float64)
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     reference, _ = _run(model, "identity", ids)
-    # no eviction at all, and an eviction budget the sequence never reaches: the state stays empty
+    # eviction budgets the sequence never reaches: the state stays empty
     for spec in (_spec(rank=8), _spec(tokens=64, rank=8)):
         out, cache = _run(model, spec, ids)
         assert torch.equal(out, reference)
@@ -207,7 +206,7 @@ def test_spec_errors_name_the_field(tmp_path):
     LearnedKernels(layers=3, kv_heads=2, head_dim=16, rank=4, hidden=4).save(path)
     with pytest.raises(SpecError, match="layers=3"):
         kvstack.apply(model, _spec(features="learned", kernels=str(path)))
-    kvstack.apply(model, {"stages": [{"kind": "lowrank"}, {"kind": "lowrank"}]})
+    kvstack.apply(model, {"budget": {"tokens": 8}, "stages": [{"kind": "evict"}, {"kind": "lowrank"}, {"kind": "lowrank"}]})
     try:
         with pytest.raises(SpecError, match="at most one state"):
             kvstack.cache_for(model)

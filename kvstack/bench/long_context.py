@@ -44,6 +44,10 @@ SHAPES = {
         hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
         num_hidden_layers=2, vocab_size=32000, dtype="float32",
     ),
+    "tiny": dict(  # for the tests of this script
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        num_hidden_layers=2, vocab_size=128, dtype="float32",
+    ),
     "llama-8b": dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
         num_hidden_layers=32, vocab_size=128256, dtype="bfloat16",
@@ -95,6 +99,15 @@ def _cache_bytes(cache) -> int:
     return total
 
 
+def stack_spec(stack: str):
+    """A preset or YAML file, optionally ``NAME+chunkN``: the same stack with stack-level ``prefill_chunk: N``."""
+    from kvstack.stack.spec import StackSpec
+
+    name, _, chunk = stack.partition("+chunk")
+    spec = StackSpec.load(name)
+    return spec.model_copy(update={"prefill_chunk": int(chunk)}) if chunk else spec
+
+
 def run_one(shape: str, stack: str, length: int, decode_steps: int, device: str) -> dict:
     """Measure one configuration in this process (the parent runs each in a fresh subprocess)."""
     import kvstack
@@ -114,7 +127,7 @@ def run_one(shape: str, stack: str, length: int, decode_steps: int, device: str)
 
         new_cache = lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4)  # noqa: E731
     else:
-        kvstack.apply(model, stack)
+        kvstack.apply(model, stack_spec(stack))
         new_cache = lambda: kvstack.cache_for(model)  # noqa: E731
 
     def forward(x, cache):
@@ -271,7 +284,8 @@ def main(argv=None) -> None:
     parser.add_argument("--child", nargs=5, metavar=("SHAPE", "STACK", "LENGTH", "STEPS", "DEVICE"), help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
     parser.add_argument("--lengths", default=None, help="Comma-separated prompt lengths (default 2048,8192,16384).")
-    parser.add_argument("--stacks", default=",".join(DEFAULT_STACKS), help="Comma-separated presets or YAML files.")
+    parser.add_argument("--stacks", default=",".join(DEFAULT_STACKS),
+                        help="Comma-separated presets or YAML files; NAME+chunkN adds prefill_chunk: N.")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("results/long_context"))

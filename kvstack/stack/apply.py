@@ -44,6 +44,7 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
 
     Returns the model. Applying again replaces the previous stack (its surgery is undone first).
     """
+    _check_model(model)
     spec = StackSpec.load(preset)
     shape = ModelShape.from_model(model)
     spec.validate_for(shape)
@@ -63,13 +64,25 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
             raise SpecError(f"{type(model).__name__} does not accept a custom attention function")
         attention.remember_original(model.config, state.original_attn or "sdpa")
         model.generate = _wrap_generate(model, model.generate)
-        if spec.chunk_size():
-            model.forward = prefill.wrap_forward(model.forward, spec.chunk_size(), cache_kwarg(model))
+        model.forward = prefill.wrap_forward(model.forward, spec.chunk_size(), cache_kwarg(model))
         setattr(model, APPLIED_ATTR, state)
     except BaseException:
         _restore(model, state)
         raise
     return model
+
+
+def _check_model(model) -> None:
+    """A transformers model object, not a name or a pipeline: say what to pass instead."""
+    if isinstance(model, (str, Path)):
+        raise SpecError(
+            f"model={str(model)!r} is not allowed: pass a loaded model, e.g. "
+            f"kvstack.apply(AutoModelForCausalLM.from_pretrained({str(model)!r}), preset)"
+        )
+    if not hasattr(model, "config") and hasattr(getattr(model, "model", None), "config"):  # a transformers pipeline
+        raise SpecError(f"model={type(model).__name__} is a pipeline: pass its model, kvstack.apply(pipe.model, preset)")
+    if not (hasattr(model, "config") and hasattr(model, "parameters") and hasattr(model, "set_attn_implementation")):
+        raise SpecError(f"model={type(model).__name__} is not allowed: a transformers PreTrainedModel (causal LM)")
 
 
 def _restore(model, state: Applied) -> None:
@@ -134,6 +147,11 @@ def _wrap_generate(model, generate):
     def generate_with_stack(*args, **kwargs):
         if kwargs.get("use_cache") is False:  # no cache: the model's original attention runs every step
             return generate(*args, **kwargs)
+        if kwargs.get("cache_implementation") is not None:
+            raise CacheUsageError(
+                f"generate(cache_implementation={kwargs['cache_implementation']!r}) on a kvstack-prepared model: the "
+                "stack supplies the cache; drop cache_implementation, or kvstack.remove(model) to use another cache"
+            )
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs.pop("cache", None)
             kwargs.pop("past_key_values", None)

@@ -32,7 +32,7 @@ class Budget(BaseModel):
     """How much a compressing stage may keep: ``tokens`` per layer and KV head, or ``ratio`` — a fraction of the
     memory an uncompressed cache (model dtype) would hold at the same token count."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     tokens: int | None = Field(default=None, ge=1, description="Tokens kept per layer and KV head.")
     ratio: float | None = Field(
@@ -50,9 +50,10 @@ class Budget(BaseModel):
 
 
 class StageSpec(BaseModel):
-    """Base of every stage spec. Subclasses declare ``kind: Literal["..."]`` and their parameters."""
+    """Base of every stage spec. Subclasses declare ``kind: Literal["..."]`` and their parameters. Assignments are
+    validated like loading (``spec.stages[0].n_sink = -3`` raises)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     kind: str
     #: model-surgery stages change the model's weights/config in ``kvstack.apply`` (they cannot be undone by remove)

@@ -74,15 +74,33 @@ class StackLayer(CacheLayerMixin):
                 "the model prepared with kvstack.apply(model, ...) (it installs the attention function that reads the "
                 "tiers); do not change model.config._attn_implementation afterwards."
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
+        if n == 0:
+            raise CacheUsageError(f"layer {self.layer_idx}: an empty input (0 tokens); give at least one token")
+        if not self.is_initialized:
+            self._check_shape(key_states)
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.full.keys.shape[0] or key_states.shape[1] != self.full.keys.shape[1]:
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: this cache holds batch {self.full.keys.shape[0]} x "
+                f"{self.full.keys.shape[1]} KV heads, the forward gives batch {key_states.shape[0]} x "
+                f"{key_states.shape[1]}; use a fresh cache (kvstack.cache_for(model)) for another batch"
+            )
         positions = torch.arange(self.seen, self.seen + n, dtype=POSITION_DTYPE, device=key_states.device)
         self.full.append(key_states, value_states, positions.expand(key_states.shape[0], 1, n))
         self.seen += n
         self.awaiting_attention = True
         ACTIVE_LAYER.set(self)
         return self.full.keys, self.full.values
+
+    def _check_shape(self, key_states: torch.Tensor) -> None:
+        heads, dim = key_states.shape[1], key_states.shape[-1]
+        if heads != self.shape.num_kv_heads or dim != self.shape.head_dim:
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: this cache was built for {self.shape.num_kv_heads} KV heads of head_dim "
+                f"{self.shape.head_dim}, the model gives {heads} of {dim}; a cache belongs to the model it was built "
+                "for (kvstack.cache_for(model))"
+            )
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -274,17 +292,35 @@ class KVStackCache(Cache):
     def __repr__(self) -> str:
         return f"KVStackCache(spec={self.spec.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise CacheUsageError(
+                f"the model updates layer {layer_idx} but this cache has {len(self.layers)} layers: a cache belongs to "
+                "the model it was built for (kvstack.cache_for(model))"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def memory_bytes(self) -> int:
         """Sum of ``nbytes`` of every tensor the cache holds: keys, values, codes, scales, zero points, positions,
         state. Nothing masked or zeroed is counted as saved."""
         return sum(layer.memory_bytes() for layer in self.layers)
 
     def full_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of an uncompressed cache at the same number of tokens seen (batch included)."""
+        """Bytes of an uncompressed cache at the same number of tokens seen (batch included), in ``dtype``
+        (default: the dtype the cache holds keys in now, e.g. after ``model.to(torch.bfloat16)``)."""
         from .memory import full_cache_bytes
 
         layer0 = self.layers[0]
+        unseen = [layer.layer_idx for layer in self.layers if layer.seen != layer0.seen]
+        if unseen:
+            raise CacheUsageError(
+                f"layers {unseen} of this {len(self.layers)}-layer cache saw a different number of tokens than layer "
+                "0: it was run on a model with another number of layers (a cache belongs to the model it was built "
+                "for: kvstack.cache_for(model))"
+            )
         batch = layer0.full.keys.shape[0] if layer0.is_initialized else 0
+        if dtype is None and layer0.is_initialized:
+            dtype = layer0.full.keys.dtype
         return full_cache_bytes(self.shape, self.get_seq_length(), batch=batch, dtype=dtype)
 
     def memory_report(self) -> dict:

@@ -166,6 +166,7 @@ class _TierPlan:
     block: int
     lo: list[int]  # smallest valid position per block (a huge value: block holds nothing)
     hi: list[int]  # largest valid position per block
+    dense: list[bool]  # the block has no empty slot (then a block wholly in the past of the queries needs no mask)
 
 
 def _block_sizes(geo: Geometry, rows: int, total_keys: int) -> tuple[int, int]:
@@ -186,7 +187,7 @@ def _plan_tiers(layer, k_block: int) -> list[_TierPlan]:
         block = max(align, (k_block // align) * align)
         n_blocks = -(-t // block)
         if n_blocks == 1:
-            plans.append(_TierPlan(i, tier, block, [-1], [math.inf]))  # one block: nothing to skip
+            plans.append(_TierPlan(i, tier, block, [-1], [math.inf], [False]))  # one block: nothing to skip
             continue
         pos = tier.positions
         pad = n_blocks * block - t
@@ -197,10 +198,14 @@ def _plan_tiers(layer, k_block: int) -> list[_TierPlan]:
         if pad:
             lo = F.pad(lo, (0, pad), value=big)
             hi = F.pad(hi, (0, pad), value=-1)
+        empty = (~valid).to(torch.int64)
+        if pad:
+            empty = F.pad(empty, (0, pad), value=0)
         lo = lo.transpose(0, 2).reshape(n_blocks, -1).amin(-1)
         hi = hi.transpose(0, 2).reshape(n_blocks, -1).amax(-1)
-        bounds = torch.stack([lo.to(torch.int64), hi.to(torch.int64)]).tolist()  # one host sync per tier
-        plans.append(_TierPlan(i, tier, block, bounds[0], bounds[1]))
+        empty = empty.transpose(0, 2).reshape(n_blocks, -1).sum(-1)
+        bounds = torch.stack([lo.to(torch.int64), hi.to(torch.int64), empty]).tolist()  # one host sync per tier
+        plans.append(_TierPlan(i, tier, block, bounds[0], bounds[1], [e == 0 for e in bounds[2]]))
     return plans
 
 
@@ -214,14 +219,19 @@ def _visible(positions: torch.Tensor, row_pos: torch.Tensor, window: int | None)
     return vis
 
 
-def _block_logits(plan: _TierPlan, q_view, start: int, geo: Geometry, row_pos):
+def _block_logits(plan: _TierPlan, q_view, j: int, geo: Geometry, row_pos, lo_q: int, hi_q: int):
+    """Masked logits [B, Hkv, M, n] of key block j for the (pre-scaled) queries ``q_view`` at positions
+    ``lo_q..hi_q``, and the block's values."""
+    start = j * plan.block
     keys, values = plan.tier.attention_block(start, min(start + plan.block, plan.tier.num_tokens), geo.compute)
-    logits = torch.matmul(q_view, keys.transpose(-1, -2)) * geo.scaling
+    logits = torch.matmul(q_view, keys.transpose(-1, -2))
     if geo.softcap:
         logits = torch.tanh(logits / geo.softcap) * geo.softcap
-    stop = start + keys.shape[-2]
-    vis = _visible(plan.tier.positions[..., start:stop], row_pos, geo.window)
-    return logits.masked_fill_(~vis, -math.inf), values
+    seen_by_all = plan.dense[j] and plan.hi[j] <= lo_q and (geo.window is None or plan.lo[j] > hi_q - geo.window)
+    if not seen_by_all:  # most blocks of a long prefill lie wholly in the past of the query block: no mask
+        vis = _visible(plan.tier.positions[..., start : start + keys.shape[-2]], row_pos, geo.window)
+        logits.masked_fill_(~vis, -math.inf)
+    return logits, values
 
 
 def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request: StatsRequest,
@@ -243,15 +253,16 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
         wants_stats = acc.active(first + qs, first + qe)
         kept = [] if wants_stats and acc.fits(qe - qs, total_keys) else None
         partial = None
+        scaled = rows * geo.scaling  # once per query block instead of once per logit
         for plan in plans:
-            q_view = plan.tier.attention_query(rows)
-            for j, start in enumerate(range(0, plan.tier.num_tokens, plan.block)):
+            q_view = plan.tier.attention_query(scaled)
+            for j in range(-(-plan.tier.num_tokens // plan.block)):
                 if _skip(plan, j, lo_q, hi_q, geo.window):
                     continue
-                logits, values = _block_logits(plan, q_view, start, geo, row_pos)
+                logits, values = _block_logits(plan, q_view, j, geo, row_pos, lo_q, hi_q)
                 partial = merge(partial, logits_partial(logits, values))
                 if kept is not None:
-                    kept.append((plan, start, logits, values))
+                    kept.append((plan, j * plan.block, logits, values))
         if layer.state is not None:
             part = layer.state.readout(rows, geo.scaling)
             if part is not None:
@@ -268,9 +279,10 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
         if wants_stats:
             if kept is None:  # recompute the logits of this query block (they did not fit in a tile)
                 kept = (
-                    (plan, start, *_block_logits(plan, plan.tier.attention_query(rows), start, geo, row_pos))
+                    (plan, j * plan.block,
+                     *_block_logits(plan, plan.tier.attention_query(scaled), j, geo, row_pos, lo_q, hi_q))
                     for plan in plans
-                    for j, start in enumerate(range(0, plan.tier.num_tokens, plan.block))
+                    for j in range(-(-plan.tier.num_tokens // plan.block))
                     if not _skip(plan, j, lo_q, hi_q, geo.window)
                 )
             acc.add(kept, lse, block_out, first + qs, first + qe)

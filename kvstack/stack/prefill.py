@@ -12,16 +12,27 @@ import functools
 import torch
 
 from .cache import KVStackCache
+from .errors import CacheUsageError
 
 
-def wrap_forward(forward, chunk: int, cache_name: str):
+def wrap_forward(forward, chunk: int | None, cache_name: str):
+    """The model's forward, checked for empty inputs on a ``KVStackCache`` and, with ``chunk``, prefilled in pieces."""
+
     @functools.wraps(forward)
     def chunked_forward(*args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         cache = kwargs.get(cache_name)
+        if cache is None:  # the other spelling (past_key_values is deprecated in 5.24 but still accepted)
+            cache = kwargs.get("past_key_values" if cache_name == "cache" else "cache")
         source = input_ids if input_ids is not None else embeds
-        if not isinstance(cache, KVStackCache) or source is None or source.shape[1] <= chunk:
+        if not isinstance(cache, KVStackCache) or source is None:
+            return forward(*args, **kwargs)
+        if source.ndim < 2 or source.shape[1] == 0:
+            raise CacheUsageError(
+                f"an empty input (input shape {tuple(source.shape)}): give at least one token per sequence"
+            )
+        if chunk is None or source.shape[1] <= chunk:
             return forward(*args, **kwargs)
         kwargs = dict(kwargs)
         if args:

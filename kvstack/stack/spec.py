@@ -6,6 +6,7 @@ stage spec, so ``StackSpec.model_json_schema()`` describes every preset file an 
 
 from __future__ import annotations
 
+import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Union
@@ -32,7 +33,7 @@ def _stage_union() -> Any:
 class StackSpec(BaseModel):
     """A composition of compression stages, applied to a model with ``kvstack.apply(model, spec)``."""
 
-    model_config = ConfigDict(extra="forbid", title="kvstack stack spec")
+    model_config = ConfigDict(extra="forbid", title="kvstack stack spec", validate_assignment=True)
 
     name: str = Field(default="custom", description="Short name of the stack (a preset's file name).")
     description: str = Field(default="", description="One line: what this stack does.")
@@ -82,7 +83,7 @@ class StackSpec(BaseModel):
             return cls.from_yaml(source)
         if source.endswith((".yaml", ".yml")) or Path(source).is_file():
             return cls._from_yaml_file(Path(source))
-        raise SpecError(f"unknown preset {source!r}; available presets: {', '.join(presets)}")
+        raise SpecError(f"unknown preset {source!r}{did_you_mean(source, presets)}; available presets: {', '.join(presets)}")
 
     @classmethod
     def _from_yaml_file(cls, path: Path) -> "StackSpec":
@@ -105,15 +106,11 @@ class StackSpec(BaseModel):
 
     @classmethod
     def _validate(cls, data: dict, origin: str) -> "StackSpec":
+        _check_stage_kinds(data, origin)
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            lines = []
-            for e in err.errors():
-                loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-                value = e.get("input")
-                lines.append(f"  {loc}: {e['msg']} (got {value!r})")
-            raise SpecError(f"invalid stack spec in {origin}:\n" + "\n".join(lines)) from None
+            raise SpecError(f"invalid stack spec in {origin}:\n" + describe_errors(err)) from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(
@@ -150,6 +147,44 @@ class StackSpec(BaseModel):
         """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed), the first
         ``prefill_len`` of them (default: all) in one forward and the rest one token per forward."""
         return self.memory_plan(config_or_shape, seq_len, batch, dtype, prefill_len).bytes
+
+
+def did_you_mean(name: str, choices) -> str:
+    """' (did you mean 'x'?)' for a misspelt name, else ''."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_stage_kinds(data: dict, origin: str) -> None:
+    """A stage without ``kind`` or with an unknown one, named by its index, before pydantic's discriminator speaks."""
+    stages = data.get("stages")
+    if not isinstance(stages, list):
+        return
+    kinds = list(stage_specs())
+    allowed = ", ".join(repr(k) for k in kinds)
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, dict):
+            continue
+        if "kind" not in stage:
+            raise SpecError(f"invalid stack spec in {origin}: stages.{i} has no 'kind'; allowed kinds: {allowed}")
+        if stage["kind"] not in kinds:
+            raise SpecError(
+                f"invalid stack spec in {origin}: stages.{i}.kind={stage['kind']!r} is not a stage kind"
+                f"{did_you_mean(stage['kind'], kinds)}; allowed kinds: {allowed}"
+            )
+
+
+def describe_errors(err: ValidationError) -> str:
+    """One line per error: the field's path, what is wrong, the value (whole-spec checks name their own field)."""
+    lines = []
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:  # a whole-spec check: its message starts with the field it is about
+            lines.append(f"  {msg}")
+            continue
+        loc = ".".join(str(p) for p in e["loc"])
+        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
 
 
 def preset_names() -> list[str]:

@@ -84,6 +84,15 @@ class LowRankSpec(StageSpec):
         elif self.kernels is not None:
             raise spec_error("kernels", self.kernels, "unset for features: random (use features: learned)")
 
+    def validate_in_stack(self, position, stages) -> None:
+        evicting = [s.kind for s in stages if s.kind in ("evict", "quantized_prune")]
+        if not evicting:
+            raise spec_error(
+                "kind", "lowrank",
+                "together with a stage that removes tokens (evict or quantized_prune): alone, nothing is ever folded "
+                "and the state only adds bytes on top of the full cache",
+            )
+
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
         if self.features == "learned":

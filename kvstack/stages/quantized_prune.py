@@ -52,7 +52,7 @@ LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a
 class PrecisionTier(BaseModel):
     """One precision level: a ``fraction`` of the kept tokens (or the ``rest``) stored at ``bits``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     bits: Literal[2, 4, 8, 16] = Field(description="Bits per element (16: the full-precision tier).")
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")

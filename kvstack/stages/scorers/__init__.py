@@ -58,7 +58,11 @@ class ScorerOptions(BaseModel):
     def _known_scorer(cls, value: str) -> str:
         names = scorer_names()
         if value not in names:
-            raise ValueError(f"unknown scorer {value!r}; available scorers: {', '.join(names)}")
+            import difflib
+
+            close = difflib.get_close_matches(value, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown scorer {value!r}{hint}; available scorers: {', '.join(names)}")
         return value
 
     @model_validator(mode="after")
