@@ -81,7 +81,8 @@ def presets(tokens: int = typer.Option(4096, min=1, help="Tokens seen for the an
     typer.echo(
         "\nratios: analytic bytes held / an uncompressed fp16 cache of the same tokens, on a Llama-3-8B shape "
         "(32 layers, 8 KV heads, head_dim 128). Every stack stores one int32 position per token, so identity is "
-        "above 1 (1 + 4 / (8 * 2 * 128 * 2) = 1.001); gqa-mean is priced on the shape after its conversion."
+        "above 1 (1 + 4 / (8 * 2 * 128 * 2) = 1.001); gqa-mean converts this shape's 8 KV heads to 2 (0.25; a model with "
+        "4 KV heads gets about 0.5)."
     )
 
 

@@ -167,3 +167,18 @@ def test_cli_calibrate_checks_out_before_training(tmp_path):
     result = runner.invoke(app, ["calibrate", "--model", str(model), "--preset", "less", "--data", str(good),
                                  "--out", str(tmp_path / "missing" / "k.safetensors")])
     assert result.exit_code == 2 and "does not exist (checked before training)" in result.output
+
+
+def test_gqa_ratio_is_against_the_original_model():
+    model = tiny_model("llama", num_key_value_heads=4)  # 4 query heads, 4 KV heads -> gqa-mean keeps 2
+    ids = torch.randint(3, 128, (1, 24))
+    with kvstack.applied(model, "gqa-mean"):
+        cache = kvstack.cache_for(model)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        report = cache.memory_report()
+    original = 2 * 24 * 4 * (16 + 16) * 4  # layers x tokens x KV heads x (key + value dims) x fp32
+    assert report["full_cache_bytes"] == original
+    positions = 2 * 24 * 4
+    assert report["total_bytes"] == original // 2 + positions
+    assert report["ratio"] == pytest.approx(0.5 + positions / original)

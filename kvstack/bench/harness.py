@@ -297,9 +297,8 @@ def bench(
     decode_prefill: int = 16,
     progress: bool = True,
 ) -> BenchResult:
-    """Load the model and passages, :func:`run_bench`, and write ``results.json`` and the plot into ``out``."""
-    from .plot import plot_quality_vs_memory
-
+    """Load the model and passages, :func:`run_bench`, and write ``results.json`` and the plot into ``out`` (the plot
+    needs matplotlib: ``pip install kvstack[plot]``; without it the JSON and the table are still written)."""
     model_path, data_path, out = Path(model_path), Path(data_path), Path(out)
     check_protocol(protocol_name, prefix, decode_prefill)  # option errors before the model loads
     preset_runs(presets, ratios)
@@ -315,6 +314,11 @@ def bench(
     result.metadata = paths | result.metadata
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    try:
+        from .plot import plot_quality_vs_memory
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install 'kvstack[plot]'); wrote {out / RESULTS_FILE}")
+        return result
     title = f"{model_path.name}, {len(texts)} passages, protocol {result.metadata['protocol']}"
     plot_quality_vs_memory([row.as_dict() for row in result.rows], out / PLOT_FILE, title=title)
     return result

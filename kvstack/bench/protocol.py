@@ -151,6 +151,8 @@ def evaluate(
     ids_list = [torch.tensor(tokenizer(text)["input_ids"][:max_len]) for text in passages]
     if references is None:
         references = reference_set(model, ids_list, prefix)
+    # the uncompressed reference is the model as loaded (before any GQA conversion the stack performs)
+    full_per_token = full_cache_bytes(model.config, 1, dtype=next(model.parameters()).dtype)
     if spec is not None:
         kvstack.apply(model, spec)
     try:
@@ -172,7 +174,7 @@ def evaluate(
             nll += float(-comp.gather(-1, targets[:, None]).sum())
             count += kl.numel()
             mem += nbytes
-            full += full_cache_bytes(model.config, prefix, dtype=next(model.parameters()).dtype)
+            full += full_per_token * prefix
             seconds += secs
     finally:
         if spec is not None:

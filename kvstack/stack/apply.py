@@ -28,8 +28,9 @@ APPLIED_ATTR = "_kvstack_applied"
 @dataclass
 class Applied:
     spec: StackSpec
-    shape: ModelShape
+    shape: ModelShape  # after model surgery: what the cache holds
     original_attn: Any
+    original_shape: ModelShape | None = None  # before surgery: what memory ratios are against
     undo: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -52,7 +53,7 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
         remove(model)
 
     attention.register()
-    state = Applied(spec=spec, shape=shape, original_attn=model.config._attn_implementation)
+    state = Applied(spec=spec, shape=shape, original_attn=model.config._attn_implementation, original_shape=shape)
     try:
         for stage in spec.model_stages:
             undo = stage.prepare_model(model, calibration)
@@ -128,7 +129,7 @@ def cache_for(model, spec: "StackSpec | dict | str | Path | None" = None) -> KVS
             "function the cache needs)"
         )
     if spec is None:
-        return KVStackCache(state.spec, state.shape)
+        return KVStackCache(state.spec, state.shape, reference=state.original_shape)
     spec = StackSpec.load(spec)
     if spec.model_stages != state.spec.model_stages:
         raise SpecError(
@@ -137,7 +138,7 @@ def cache_for(model, spec: "StackSpec | dict | str | Path | None" = None) -> KVS
             f"{[s.kind for s in state.spec.model_stages]}; call kvstack.apply(model, spec) instead"
         )
     spec.validate_for(state.shape)
-    return KVStackCache(spec, state.shape)
+    return KVStackCache(spec, state.shape, reference=state.original_shape)
 
 
 def _wrap_generate(model, generate):

@@ -283,9 +283,12 @@ class KVStackCache(Cache):
     ``kvstack.cache_for(model)`` returns one for manual forward loops.
     """
 
-    def __init__(self, spec: "StackSpec", shape: ModelShape):
+    def __init__(self, spec: "StackSpec", shape: ModelShape, reference: ModelShape | None = None):
+        """``shape``: the model the cache serves; ``reference``: the model before surgery (GQA conversion), whose
+        uncompressed cache memory ratios are against (default ``shape``)."""
         self.spec = spec
         self.shape = shape
+        self.reference_shape = reference or shape
         stages = [s for s in (st.build(shape, spec.budget) for st in spec.stages) if s is not None]
         super().__init__(layers=[StackLayer(i, shape, stages) for i in range(shape.num_layers)])
 
@@ -306,8 +309,9 @@ class KVStackCache(Cache):
         return sum(layer.memory_bytes() for layer in self.layers)
 
     def full_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of an uncompressed cache at the same number of tokens seen (batch included), in ``dtype``
-        (default: the dtype the cache holds keys in now, e.g. after ``model.to(torch.bfloat16)``)."""
+        """Bytes of an uncompressed cache of the original model (before GQA conversion) at the same number of tokens
+        seen (batch included), in ``dtype`` (default: the dtype the cache holds keys in now, e.g. after
+        ``model.to(torch.bfloat16)``)."""
         from .memory import full_cache_bytes
 
         layer0 = self.layers[0]
@@ -321,7 +325,7 @@ class KVStackCache(Cache):
         batch = layer0.full.keys.shape[0] if layer0.is_initialized else 0
         if dtype is None and layer0.is_initialized:
             dtype = layer0.full.keys.dtype
-        return full_cache_bytes(self.shape, self.get_seq_length(), batch=batch, dtype=dtype)
+        return full_cache_bytes(self.reference_shape, self.get_seq_length(), batch=batch, dtype=dtype)
 
     def memory_report(self) -> dict:
         """Bytes by layer and by tier, the total, the uncompressed reference and their ratio."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from kvstack.kernels.dispatch import use_triton
 from kvstack.kernels.online_softmax import SoftmaxPartial, finish, log_term_partial, logits_partial, merge
@@ -80,8 +81,7 @@ def attend(layer, query: torch.Tensor, request: StatsRequest, *, padded: bool, s
     q_pos = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
     stats = AttentionStats(query_positions=q_pos, num_queries=q_len)
     stats.key_positions = [t.positions if t.num_tokens else None for t in layer.tiers]
-    # [B, Hq, Q, D] -> [B, Hkv, G, Q, D]: query head h*G+g reads KV head h (transformers' repeat_kv order)
-    q5 = query.reshape(batch, kv_heads, geo.group, q_len, head_dim)
+    q5 = rearrange(query, "b (h g) q d -> b h g q d", g=geo.group)  # query head h*G+g reads KV head h (repeat_kv)
 
     if layer.state is not None:  # sees every query of the forward once, whatever the path
         layer.state.prepare(q5.reshape(batch, kv_heads, geo.group * q_len, head_dim).to(geo.compute), scaling)
