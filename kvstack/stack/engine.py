@@ -245,24 +245,22 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
     acc = _StatsAccumulator(request, geo, plans, layer, n)
     out = None
     first = geo.num_queries - n  # index of q5's first query within the forward
+    base = layer.seen - n  # absolute position of q5's first query
     for qs in range(0, n, q_block):
         qe = min(qs + q_block, n)
         rows = q5[:, :, :, qs:qe].reshape(b, h, g * (qe - qs), -1)
         row_pos = q_pos[qs:qe].repeat(g)
-        lo_q, hi_q = int(layer.seen - geo.num_queries + first + qs), int(layer.seen - geo.num_queries + first + qe - 1)
+        lo_q, hi_q = base + qs, base + qe - 1
         wants_stats = acc.active(first + qs, first + qe)
         kept = [] if wants_stats and acc.fits(qe - qs, total_keys) else None
         partial = None
         scaled = rows * geo.scaling  # once per query block instead of once per logit
-        for plan in plans:
-            q_view = plan.tier.attention_query(scaled)
-            for j in range(-(-plan.tier.num_tokens // plan.block)):
-                if _skip(plan, j, lo_q, hi_q, geo.window):
-                    continue
-                logits, values = _block_logits(plan, q_view, j, geo, row_pos, lo_q, hi_q)
-                partial = merge(partial, logits_partial(logits, values))
-                if kept is not None:
-                    kept.append((plan, j * plan.block, logits, values))
+        views = {plan.index: plan.tier.attention_query(scaled) for plan in plans}
+        for plan, j in _blocks_to_read(plans, lo_q, hi_q, geo.window):
+            logits, values = _block_logits(plan, views[plan.index], j, geo, row_pos, lo_q, hi_q)
+            partial = merge(partial, logits_partial(logits, values))
+            if kept is not None:
+                kept.append((plan, j * plan.block, logits, values))
         if layer.state is not None:
             part = layer.state.readout(rows, geo.scaling)
             if part is not None:
@@ -279,23 +277,22 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
         if wants_stats:
             if kept is None:  # recompute the logits of this query block (they did not fit in a tile)
                 kept = (
-                    (plan, j * plan.block,
-                     *_block_logits(plan, plan.tier.attention_query(scaled), j, geo, row_pos, lo_q, hi_q))
-                    for plan in plans
-                    for j in range(-(-plan.tier.num_tokens // plan.block))
-                    if not _skip(plan, j, lo_q, hi_q, geo.window)
+                    (plan, j * plan.block, *_block_logits(plan, views[plan.index], j, geo, row_pos, lo_q, hi_q))
+                    for plan, j in _blocks_to_read(plans, lo_q, hi_q, geo.window)
                 )
             acc.add(kept, lse, block_out, first + qs, first + qe)
     acc.store(stats)
     return out
 
 
-def _skip(plan: _TierPlan, j: int, lo_q: int, hi_q: int, window: int | None) -> bool:
-    """Key block j sees none of the queries at positions lo_q..hi_q: all in their future, before their window, or
-    empty."""
-    if plan.lo[j] > hi_q:
-        return True
-    return window is not None and plan.hi[j] <= lo_q - window
+def _blocks_to_read(plans: list[_TierPlan], lo_q: int, hi_q: int, window: int | None):
+    """(plan, j) of every key block some query at positions lo_q..hi_q can see: blocks wholly in their future,
+    before their window, or empty are skipped."""
+    for plan in plans:
+        for j in range(len(plan.lo)):
+            if plan.lo[j] > hi_q or (window is not None and plan.hi[j] <= lo_q - window):
+                continue
+            yield plan, j
 
 
 class _StatsAccumulator:
