@@ -182,3 +182,17 @@ def test_gqa_ratio_is_against_the_original_model():
     positions = 2 * 24 * 4
     assert report["total_bytes"] == original // 2 + positions
     assert report["ratio"] == pytest.approx(0.5 + positions / original)
+
+
+def test_show_prints_only_what_acts():
+    streaming = runner.invoke(app, ["show", "streaming"]).output
+    for absent in ("window:", "kernel:", "pooling:", "saliency:", "seed:", "block_size:", "pyramid_spread:"):
+        assert absent not in streaming
+    assert "n_sink: 4" in streaming and "tokens: 128" in streaming
+    snapkv = runner.invoke(app, ["show", "snapkv"]).output
+    assert "window: 32" in snapkv and "kernel: 7" in snapkv and "saliency:" not in snapkv
+    paged = runner.invoke(app, ["show", "paged-eviction"]).output
+    assert "block_size: 16" in paged and "aggregate: mean" in paged
+    for name in kvstack.preset_names():  # what is left out are defaults that do not act: the round trip holds
+        spec = StackSpec.load(name)
+        assert StackSpec.from_yaml(spec.to_yaml()) == spec or name == "less-learned"

@@ -59,6 +59,10 @@ class StageSpec(BaseModel):
     #: model-surgery stages change the model's weights/config in ``kvstack.apply`` (they cannot be undone by remove)
     modifies_model: ClassVar[bool] = False
 
+    def inactive_options(self) -> set[str]:
+        """Fields that do not act with this stage's other settings (``kvstack show`` leaves them out)."""
+        return set()
+
     def prefill_chunk(self) -> int | None:
         """Longest prompt piece this stage wants per forward (None: any). ``kvstack.apply`` splits longer
         forwards into pieces so the stage can compress between them and peak memory stays bounded."""

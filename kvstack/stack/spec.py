@@ -113,9 +113,13 @@ class StackSpec(BaseModel):
             raise SpecError(f"invalid stack spec in {origin}:\n" + describe_errors(err)) from None
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(
-            self.model_dump(mode="json", exclude_none=True), sort_keys=False, allow_unicode=True, width=100
-        )
+        """The spec as YAML, every acting default spelled out (options the stage's scorer does not read are left
+        out: they would not change anything)."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        for stage, dumped in zip(self.stages, data.get("stages", [])):
+            for name in stage.inactive_options():
+                dumped.pop(name, None)
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
 
     # ---------------------------------------------------------------- checking
     def validate_for(self, shape: ModelShape) -> None:

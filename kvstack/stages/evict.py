@@ -71,6 +71,14 @@ class EvictSpec(StageSpec, ScorerOptions):
     def prefill_chunk(self) -> int | None:
         return self.chunk_size
 
+    def inactive_options(self) -> set[str]:
+        inactive = self.scorer_inactive_options()
+        if self.granularity == "token":
+            inactive |= {"block_size", "aggregate"}
+        if self.schedule == "uniform":
+            inactive.add("pyramid_spread")
+        return inactive
+
     def effective_budget(self, stack_budget: Budget | None) -> Budget:
         budget = self.budget or stack_budget
         if budget is None:

@@ -86,6 +86,9 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
     n_sink: int = Field(default=0, ge=0, description="First real tokens of each row, always in the top tier.")
     recent: int = Field(default=0, ge=0, description="Newest positions, always in the top tier.")
 
+    def inactive_options(self) -> set[str]:
+        return self.scorer_inactive_options()
+
     # ------------------------------------------------------------------------------------ validation
     def effective_budget(self, stack_budget: Budget | None) -> Budget | None:
         return self.budget or stack_budget

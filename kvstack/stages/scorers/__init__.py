@@ -45,6 +45,11 @@ class ScorerOptions(BaseModel):
     )
     seed: int = Field(default=0, description="random: seed of the scores.")
 
+    def scorer_inactive_options(self) -> set[str]:
+        """Scorer option fields the chosen scorer does not read (``head_wise`` and ``group_reduce`` always act)."""
+        own = set(get_scorer(self.scorer).options)
+        return {"window", "kernel", "pooling", "saliency", "seed"} - own
+
     @property
     def is_head_wise(self) -> bool:
         return get_scorer(self.scorer).head_wise if self.head_wise is None else self.head_wise
@@ -77,6 +82,8 @@ class Scorer:
 
     name: ClassVar[str] = ""
     head_wise: ClassVar[bool] = False
+    #: the ``ScorerOptions`` fields this policy reads (the others do not act and ``kvstack show`` leaves them out)
+    options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec, shape: "ModelShape") -> None:
         self.spec = spec

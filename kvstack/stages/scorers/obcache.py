@@ -29,6 +29,7 @@ from . import Scorer, aligned, register_scorer
 @register_scorer
 class OBCacheScorer(Scorer):
     name = "obcache"
+    options = ("window", "saliency")
     head_wise = True
 
     def key(self) -> tuple[int, str]:

@@ -14,6 +14,7 @@ from . import Scorer, register_scorer
 @register_scorer
 class RandomScorer(Scorer):
     name = "random"
+    options = ("seed",)
 
     def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
         gen = torch.Generator().manual_seed(hash((self.spec.seed, layer.layer_idx, layer.seen, tier_index)) % 2**63)

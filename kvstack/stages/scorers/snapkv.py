@@ -33,6 +33,7 @@ def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
 @register_scorer
 class SnapKVScorer(Scorer):
     name = "snapkv"
+    options = ("window", "kernel", "pooling")
     head_wise = True
 
     def request(self, layer, query_length):
