@@ -121,8 +121,9 @@ def test_stack_cache_without_stack_attention_is_an_error():
         model(ids, cache=cache)
 
 
-def test_forwards_without_a_stack_cache_run_the_original_attention_exactly():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])  # sdpa; sliding-window sdpa; eager + softcap
+def test_forwards_without_a_stack_cache_run_the_original_attention_exactly(arch):
+    model = tiny_model(arch)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding goes through the original mask function
