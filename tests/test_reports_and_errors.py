@@ -196,3 +196,21 @@ def test_show_prints_only_what_acts():
     for name in kvstack.preset_names():  # what is left out are defaults that do not act: the round trip holds
         spec = StackSpec.load(name)
         assert StackSpec.from_yaml(spec.to_yaml()) == spec or name == "less-learned"
+
+
+def test_apply_overrides_are_validated_like_yaml():
+    model = tiny_model("llama")
+    with kvstack.applied(model, "h2o", budget=0.25, n_sink=8, prefill_chunk=64):
+        spec = kvstack.cache_for(model).spec
+    assert spec.budget.ratio == 0.25 and spec.stages[0].n_sink == 8 and spec.prefill_chunk == 64
+    assert StackSpec.load("h2o").with_overrides(budget=64).budget.tokens == 64
+    assert StackSpec.load("h2o").with_overrides(budget={"tokens": 48}).budget.tokens == 48
+    with pytest.raises(SpecError, match=r"n_snik=8 is not allowed: .*did you mean 'n_sink'"):
+        kvstack.apply(model, "h2o", n_snik=8)
+    with pytest.raises(SpecError, match="n_sink"):
+        kvstack.apply(model, "h2o", n_sink=-1)
+    with pytest.raises(SpecError, match="budget"):
+        kvstack.apply(model, "h2o", budget=2.0)
+    with pytest.raises(SpecError, match="budget='a lot' is not allowed"):
+        kvstack.apply(model, "h2o", budget="a lot")
+    assert model.config._attn_implementation != "kvstack"  # nothing was applied by the failed calls

@@ -40,13 +40,17 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibration: Any = None):
+def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibration: Any = None, **overrides):
     """Prepare ``model`` to run with the stack ``preset`` (name, YAML path or text, dict or :class:`StackSpec`).
 
-    Returns the model. Applying again replaces the previous stack (its surgery is undone first).
+    ``overrides`` replace fields, validated like YAML (:meth:`StackSpec.with_overrides`):
+    ``kvstack.apply(model, "h2o", budget=0.25, n_sink=8)``. Returns the model. Applying again replaces the
+    previous stack (its surgery is undone first).
     """
     _check_model(model)
     spec = StackSpec.load(preset)
+    if overrides:
+        spec = spec.with_overrides(**overrides)
     shape = ModelShape.from_model(model)
     spec.validate_for(shape)
     if getattr(model, APPLIED_ATTR, None) is not None:
@@ -107,9 +111,9 @@ def remove(model) -> None:
 
 
 @contextlib.contextmanager
-def applied(model, preset="identity", calibration: Any = None):
+def applied(model, preset="identity", calibration: Any = None, **overrides):
     """``with kvstack.applied(model, "streaming"): model.generate(...)`` — removed again on exit."""
-    apply(model, preset, calibration)
+    apply(model, preset, calibration, **overrides)
     try:
         yield model
     finally:

@@ -112,6 +112,38 @@ class StackSpec(BaseModel):
         except ValidationError as err:
             raise SpecError(f"invalid stack spec in {origin}:\n" + describe_errors(err)) from None
 
+    def with_overrides(self, **overrides: Any) -> "StackSpec":
+        """A copy with fields replaced, validated like YAML: spec fields (``budget``, ``prefill_chunk``, ``name``,
+        ...) by name, and any other name on every stage that declares it (``n_sink=8``, ``bits=2``); a name no
+        stage declares is an error. ``budget`` also takes a number: a ratio if < 1 (or a float), tokens if an int."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        budget = overrides.pop("budget", None)
+        if budget is not None:
+            if isinstance(budget, Budget):
+                budget = budget.model_dump(exclude_none=True)
+            elif isinstance(budget, bool) or not isinstance(budget, (int, float, dict)):
+                raise SpecError(f"budget={budget!r} is not allowed: a dict ({{'ratio': r}} or {{'tokens': n}}), "
+                                "a Budget, a float ratio in (0, 1] or an int number of tokens")
+            elif isinstance(budget, float):
+                budget = {"ratio": budget}
+            elif isinstance(budget, int):
+                budget = {"tokens": budget}
+            data["budget"] = budget
+        for name, value in overrides.items():
+            if name in StackSpec.model_fields:
+                data[name] = value
+                continue
+            owners = [d for st, d in zip(self.stages, data.get("stages", [])) if name in type(st).model_fields]
+            if not owners:
+                known = sorted({f for st in self.stages for f in type(st).model_fields} | set(StackSpec.model_fields))
+                raise SpecError(
+                    f"{name}={value!r} is not allowed: no stage of {self.name!r} has a field {name!r}"
+                    f"{did_you_mean(name, known)}; fields: {', '.join(known)}"
+                )
+            for dumped in owners:
+                dumped[name] = value
+        return StackSpec._validate(data, f"{self.name!r} with overrides {sorted(overrides) + (['budget'] if budget is not None else [])}")
+
     def to_yaml(self) -> str:
         """The spec as YAML, every acting default spelled out (options the stage's scorer does not read are left
         out: they would not change anything)."""
