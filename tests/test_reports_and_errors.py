@@ -214,3 +214,27 @@ def test_apply_overrides_are_validated_like_yaml():
     with pytest.raises(SpecError, match="budget='a lot' is not allowed"):
         kvstack.apply(model, "h2o", budget="a lot")
     assert model.config._attn_implementation != "kvstack"  # nothing was applied by the failed calls
+
+
+def test_a_stage_registered_outside_the_package_loads_from_yaml_and_runs():
+    import importlib
+
+    from kvstack.stack.registry import unregister_stage
+
+    module = importlib.import_module("ext_stage")
+    try:
+        spec = StackSpec.from_yaml("name: mine\nstages:\n  - kind: keep_newest\n    keep: 5\n")
+        assert isinstance(spec.stages[0], module.KeepNewestSpec) and spec.stages[0].keep == 5
+        with pytest.raises(SpecError, match="keep"):
+            StackSpec.from_yaml("stages:\n  - kind: keep_newest\n    keep: 0\n")
+        assert "keep_newest" in kvstack.stage_specs()
+        model = tiny_model("llama")
+        with kvstack.applied(model, spec):
+            cache = kvstack.cache_for(model)
+            model(torch.randint(3, 128, (1, 12)), cache=cache)
+        assert int(cache.layers[0].kept_counts().max()) == 5
+        assert StackSpec.from_yaml(spec.to_yaml()) == spec
+    finally:
+        unregister_stage("keep_newest")
+    with pytest.raises(SpecError, match="keep_newest"):
+        StackSpec.from_yaml("stages:\n  - kind: keep_newest\n")

@@ -13,11 +13,12 @@ from typing import Annotated, Any, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from .base import Budget, StageSpec
 from .errors import SpecError
 from .memory import MemoryPlan
-from .registry import stage_specs
+from .registry import on_change, stage_specs
 from .shape import ModelShape
 
 PRESET_PACKAGE = "kvstack.presets"
@@ -183,6 +184,16 @@ class StackSpec(BaseModel):
         """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed), the first
         ``prefill_len`` of them (default: all) in one forward and the rest one token per forward."""
         return self.memory_plan(config_or_shape, seq_len, batch, dtype, prefill_len).bytes
+
+
+def _refresh_stage_union() -> None:
+    """A stage kind was registered (or removed) after import: rebuild the ``stages`` field's discriminated union."""
+    field = StackSpec.model_fields["stages"]
+    StackSpec.model_fields["stages"] = FieldInfo.merge_field_infos(field, annotation=list[_stage_union()])
+    StackSpec.model_rebuild(force=True)
+
+
+on_change(_refresh_stage_union)
 
 
 def did_you_mean(name: str, choices) -> str:
