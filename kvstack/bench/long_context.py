@@ -88,15 +88,9 @@ def build_model(shape: str, device: str):
 
 
 def _cache_bytes(cache) -> int:
-    if hasattr(cache, "memory_bytes"):
-        return int(cache.memory_bytes())
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    return total
+    from kvstack.bench.protocol import _dynamic_bytes
+
+    return int(cache.memory_bytes()) if hasattr(cache, "memory_bytes") else _dynamic_bytes(cache)
 
 
 def stack_spec(stack: str):

@@ -189,23 +189,15 @@ def _plan_tiers(layer, k_block: int) -> list[_TierPlan]:
         if n_blocks == 1:
             plans.append(_TierPlan(i, tier, block, [-1], [math.inf], [False]))  # one block: nothing to skip
             continue
-        pos = tier.positions
-        pad = n_blocks * block - t
-        big = torch.iinfo(pos.dtype).max
+        pos = F.pad(tier.positions, (0, n_blocks * block - t), value=-1)  # the tail slots count as empty
         valid = pos >= 0
-        lo = torch.where(valid, pos, torch.full_like(pos, big))
-        hi = torch.where(valid, pos, torch.full_like(pos, -1))
-        if pad:
-            lo = F.pad(lo, (0, pad), value=big)
-            hi = F.pad(hi, (0, pad), value=-1)
-        empty = (~valid).to(torch.int64)
-        if pad:
-            empty = F.pad(empty, (0, pad), value=0)
-        lo = lo.transpose(0, 2).reshape(n_blocks, -1).amin(-1)
-        hi = hi.transpose(0, 2).reshape(n_blocks, -1).amax(-1)
-        empty = empty.transpose(0, 2).reshape(n_blocks, -1).sum(-1)
-        bounds = torch.stack([lo.to(torch.int64), hi.to(torch.int64), empty]).tolist()  # one host sync per tier
-        plans.append(_TierPlan(i, tier, block, bounds[0], bounds[1], [e == 0 for e in bounds[2]]))
+        big = torch.iinfo(pos.dtype).max
+        per_block = lambda x: x.transpose(0, 2).reshape(n_blocks, -1)  # noqa: E731  [n_blocks, block * Hp * B]
+        lo = per_block(torch.where(valid, pos, torch.full_like(pos, big))).amin(-1)
+        hi = per_block(torch.where(valid, pos, torch.full_like(pos, -1))).amax(-1)
+        empty = per_block(~valid).any(-1)
+        bounds = torch.stack([lo.to(torch.int64), hi.to(torch.int64), empty.to(torch.int64)]).tolist()  # one sync
+        plans.append(_TierPlan(i, tier, block, bounds[0], bounds[1], [not e for e in bounds[2]]))
     return plans
 
 
@@ -242,7 +234,7 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
     total_keys = sum(t.num_tokens for t in layer.tiers)
     q_block, k_block = _block_sizes(geo, n, total_keys)
     plans = _plan_tiers(layer, k_block)
-    acc = _StatsAccumulator(request, geo, plans, layer, n)
+    acc = _StatsAccumulator(request, geo, plans, layer)
     out = None
     first = geo.num_queries - n  # index of q5's first query within the forward
     base = layer.seen - n  # absolute position of q5's first query
@@ -298,22 +290,25 @@ def _blocks_to_read(plans: list[_TierPlan], lo_q: int, hi_q: int, window: int | 
 class _StatsAccumulator:
     """Per-key masses and saliency over the newest queries, summed block by block (second pass per query block)."""
 
-    def __init__(self, request: StatsRequest, geo: Geometry, plans: list[_TierPlan], layer, n: int):
+    def __init__(self, request: StatsRequest, geo: Geometry, plans: list[_TierPlan], layer):
         self.geo = geo
-        self.q_len = geo.num_queries
         self.windows = list(request.mass_windows)
         self.saliency = list(request.saliency)
-        self.starts = {w: (0 if w is None else max(0, self.q_len - w)) for w in {*self.windows, *(w for w, _ in self.saliency)}}
-        self.masses: dict[tuple[int, int | None], torch.Tensor] = {}
-        self.sal: dict[tuple[tuple[int | None, str], int], torch.Tensor] = {}
-        shape = (geo.batch, geo.kv_heads, geo.group)
-        for plan in plans:
-            t = plan.tier.num_tokens
-            for w in self.windows:
-                self.masses[(plan.index, w)] = torch.zeros(*shape, t, dtype=geo.compute, device=layer.full.keys.device)
-            for key in self.saliency:
-                self.sal[(key, plan.index)] = torch.zeros(*shape, t, dtype=geo.compute, device=layer.full.keys.device)
-        self.num_tiers = len(layer.tiers)
+        q_len = geo.num_queries
+        self.starts = {w: 0 if w is None else max(0, q_len - w) for w in {*self.windows, *(w for w, _ in self.saliency)}}
+        device = layer.full.keys.device
+
+        def zeros(plan):
+            return torch.zeros(geo.batch, geo.kv_heads, geo.group, plan.tier.num_tokens, dtype=geo.compute,
+                               device=device)
+
+        self.masses = {(plan.index, w): zeros(plan) for plan in plans for w in self.windows}
+        # saliency[(w, mode)][i]: per exact tier of the layer (None: empty tier), as AttentionStats holds it
+        self.sal: dict[tuple[int | None, str], list[torch.Tensor | None]] = {}
+        for key in self.saliency:
+            self.sal[key] = [None] * len(layer.tiers)
+            for plan in plans:
+                self.sal[key][plan.index] = zeros(plan)
 
     def active(self, qs: int, qe: int) -> bool:
         """Whether queries qs..qe-1 (indices within the forward) fall in a requested window."""
@@ -349,7 +344,7 @@ class _StatsAccumulator:
                         score = p * dist
                         if mode == "joint":
                             score = score / (1 - p).clamp_min(1e-6)
-                    self.sal[((w, mode), plan.index)][..., start:stop] += torch.einsum(
+                    self.sal[(w, mode)][plan.index][..., start:stop] += torch.einsum(
                         "bhgqt,q->bhgt", score, in_window[w]
                     )
 
@@ -357,9 +352,5 @@ class _StatsAccumulator:
         b, h, g = self.geo.batch, self.geo.kv_heads, self.geo.group
         for key, mass in self.masses.items():
             stats.masses[key] = mass.reshape(b, h * g, -1)
-        for key in self.saliency:
-            per_tier: list[torch.Tensor | None] = [None] * self.num_tiers
-            for (k, i), sal in self.sal.items():
-                if k == key:
-                    per_tier[i] = sal.reshape(b, h * g, -1)
-            stats.saliency[key] = per_tier
+        for key, per_tier in self.sal.items():
+            stats.saliency[key] = [None if x is None else x.reshape(b, h * g, -1) for x in per_tier]

@@ -118,6 +118,7 @@ class StackSpec(BaseModel):
         ...) by name, and any other name on every stage that declares it (``n_sink=8``, ``bits=2``); a name no
         stage declares is an error. ``budget`` also takes a number: a ratio if < 1 (or a float), tokens if an int."""
         data = self.model_dump(mode="json", exclude_none=True)
+        origin = f"{self.name!r} with overrides {', '.join(sorted(overrides))}"
         budget = overrides.pop("budget", None)
         if budget is not None:
             if isinstance(budget, Budget):
@@ -143,7 +144,7 @@ class StackSpec(BaseModel):
                 )
             for dumped in owners:
                 dumped[name] = value
-        return StackSpec._validate(data, f"{self.name!r} with overrides {sorted(overrides) + (['budget'] if budget is not None else [])}")
+        return StackSpec._validate(data, origin)
 
     def to_yaml(self) -> str:
         """The spec as YAML, every acting default spelled out (options the stage's scorer does not read are left
