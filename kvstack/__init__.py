@@ -5,6 +5,7 @@
     out = model.generate(ids, max_new_tokens=64)
 """
 
+from kvstack.context import CompressedContext, ContextError, KVStackPipeline, compress_context, register_pipeline
 from kvstack.stack.apply import applied, apply, cache_for, remove
 from kvstack.stack.base import Budget, Stage, StageSpec
 from kvstack.stack.cache import KVStackCache
@@ -17,11 +18,16 @@ from kvstack.stages.scorers import Scorer, register_scorer, scorer_names, tier_k
 
 __version__ = "0.1.0"
 
+register_pipeline()  # pipeline("kvstack-text-generation", ...) works after `import kvstack` (kvstack/context.py)
+
 __all__ = [
     "Budget",
     "CacheUsageError",
+    "CompressedContext",
+    "ContextError",
     "KVStackCache",
     "KVStackError",
+    "KVStackPipeline",
     "ModelShape",
     "SUPPORTED_MODEL_TYPES",
     "SpecError",
@@ -33,9 +39,11 @@ __all__ = [
     "applied",
     "apply",
     "cache_for",
+    "compress_context",
     "full_cache_bytes",
     "list_presets",
     "preset_names",
+    "register_pipeline",
     "register_scorer",
     "register_stage",
     "remove",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -99,52 +100,312 @@ def validate(file: Path = typer.Argument(..., help="YAML stack file.")) -> None:
     typer.echo(f"ok: {spec.name} — {len(spec.stages)} stage(s): {', '.join(s.kind for s in spec.stages) or 'none'}")
 
 
+class SchemaFormat(str, Enum):
+    """``kvstack schema --format`` choices."""
+
+    json = "json"
+    markdown = "markdown"
+
+
 @app.command()
 def schema(
     out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
-    format: str = typer.Option("json", help="json (for editors) or markdown (docs/spec-reference.md)."),
+    format: SchemaFormat = typer.Option(SchemaFormat.json, case_sensitive=False,
+                                        help="json (for editors) or markdown (docs/spec-reference.md)."),
 ) -> None:
     """Print the JSON schema of stack files (for editor validation), or the markdown spec reference."""
     from kvstack import StackSpec
     from kvstack.stack import spec_doc
 
-    if format not in ("json", "markdown"):
-        _fail(f"--format {format!r} is not allowed: json or markdown")
-    text = json.dumps(StackSpec.model_json_schema(), indent=2) if format == "json" else spec_doc.render().rstrip("\n")
+    if format is SchemaFormat.json:
+        text = json.dumps(StackSpec.model_json_schema(), indent=2)
+    else:
+        text = spec_doc.render().rstrip("\n")
     if out:
         out.write_text(text + "\n")
     else:
         typer.echo(text)
 
 
-@app.command()
-def generate(
-    model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
-    preset: str = typer.Option("identity", help="Preset name or YAML file."),
-    prompt: str = typer.Option(..., help="Prompt text."),
-    max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate (greedy)."),
-) -> None:
-    """Generate greedily with a stack applied; print the text and the cache memory vs. the full cache."""
+class DType(str, Enum):
+    """``--dtype`` choices (the model's default when omitted: bfloat16 for a GGUF file, the config's otherwise)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class BenchProtocol(str, Enum):
+    """``kvstack bench --protocol``: stories-style passages (prefill, decode) or the real-model protocols."""
+
+    prefill = "prefill"
+    decode = "decode"
+    code_kl = "code-kl"
+    needle = "needle"
+
+
+MODEL_HELP = (
+    "A Hugging Face causal LM directory, a .gguf file, or a directory holding exactly one .gguf (converted once into "
+    "KVSTACK_CACHE_DIR, default ~/.cache/kvstack; needs kvstack's gguf extra: the gguf and accelerate packages)."
+)
+DTYPE_HELP = "Model dtype (default: bfloat16 for a GGUF model, the config's dtype for a Hugging Face directory)."
+PROTOCOL_METAVAR = "[" + "|".join(p.value for p in BenchProtocol) + "]"
+
+
+def _load_model(model: Path, dtype: "DType | None", device: str = "cpu"):
+    """(model, tokenizer) through :func:`kvstack.bench.models.load_causal_lm`; a clear error instead of a trace."""
+    from kvstack.bench import models
+
+    try:
+        return models.load_causal_lm(model, dtype=dtype.value if dtype is not None else None, device=device)
+    except models.ModelLoadError as err:
+        _fail(f"--model: {err}")
+
+
+def _check_model_source(model: Path):
+    from kvstack.bench import models
+
+    try:
+        return models.resolve_source(model)
+    except models.ModelLoadError as err:
+        _fail(f"--model: {err}")
+
+
+def _check_jsonl_fields(data: Path, fields: tuple[str, ...]) -> None:
+    """--data must be JSONL whose every non-empty line is an object with ``fields`` (checked before any loading)."""
+    if not data.is_file():
+        _fail(f"--data {str(data)!r} is not a file")
+    for number, line in enumerate(data.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            _fail(f"--data {str(data)!r} is not JSONL: line {number} is not a JSON object ({line[:60]!r})")
+        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+        if missing:
+            _fail(f"--data {str(data)!r}: line {number} lacks {', '.join(missing)} (each line: {', '.join(fields)})")
+
+
+class Device(str, Enum):
+    """``--device`` choices: ``auto`` is cuda when torch sees a CUDA device, else cpu."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+GENERATE_MODEL_HELP = (
+    MODEL_HELP + " Or a Hugging Face Hub model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) when no such local "
+    "path exists, loaded with from_pretrained (the Hub cache is used; HF_HUB_OFFLINE=1 uses only it)."
+)
+
+
+def _resolve_device(device: Device) -> str:
+    """The torch device for ``--device``: checked before any model is loaded."""
+    import torch
+
+    if device is Device.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device is Device.cuda and not torch.cuda.is_available():
+        why = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
+        _fail(f"--device cuda is not available: torch {torch.__version__} {why}; use --device cpu (or auto)")
+    return device.value
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE as set now (huggingface_hub reads them once, at its import)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(str(f).upper() in ("1", "ON", "YES", "TRUE") for f in flags if f)
+
+
+def _hub_id(model: str) -> str | None:
+    """``model`` as a Hub id when it names no local path and has the form ``name`` or ``namespace/name``."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.lower().endswith(".gguf"):
+        return None
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return None
+    return model
+
+
+def _load_hub_model(model_id: str, dtype: "DType | None", device: str):
+    """(model, tokenizer) from the Hub (or its local cache); a clear error naming the id when that fails."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import kvstack
+    offline = _hub_offline()
+    options = {"local_files_only": True} if offline else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **options)
+        lm = AutoModelForCausalLM.from_pretrained(
+            model_id, dtype=getattr(torch, dtype.value) if dtype is not None else "auto", **options
+        )
+    except Exception as err:  # OSError from the hub client, ValueError for an unknown architecture, ...
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        offline_ways = "a local Hugging Face directory or a .gguf file works offline"
+        if offline:
+            _fail(f"--model {model_id!r} is not a local path and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1), "
+                  f"with no copy of it in the Hub cache: {offline_ways}, or unset HF_HUB_OFFLINE to download it")
+        if "connect" in detail.lower() or "offline" in detail.lower():
+            _fail(f"--model {model_id!r} is not a local path and the Hugging Face Hub could not be reached "
+                  f"({detail}): {offline_ways}")
+        _fail(f"--model {model_id!r} is not a local path, and loading it from the Hugging Face Hub failed: "
+              f"{type(err).__name__}: {detail}")
+    return lm.to(device).eval(), tokenizer
 
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt from ``--prompt TEXT``, ``--prompt -`` (stdin) or ``--prompt-file PATH``; trailing newlines of a
+    file or stdin are dropped (``echo`` adds one)."""
+    if prompt is not None and prompt_file is not None:
+        _fail("--prompt and --prompt-file are exclusive: give one")
+    if prompt is None and prompt_file is None:
+        _fail("a prompt is required: --prompt TEXT, --prompt - (read stdin) or --prompt-file PATH")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            _fail(f"--prompt-file {str(prompt_file)!r} is not a file")
+        try:
+            text, source = prompt_file.read_text(encoding="utf-8").rstrip("\r\n"), f"--prompt-file {str(prompt_file)!r}"
+        except UnicodeDecodeError:
+            _fail(f"--prompt-file {str(prompt_file)!r} is not UTF-8 text")
+    elif prompt == "-":
+        text, source = typer.get_text_stream("stdin").read().rstrip("\r\n"), "--prompt - (stdin)"
+    else:
+        text, source = prompt, "--prompt"
+    if not text.strip():
+        _fail(f"{source} is empty: give the prompt text")
+    return text
+
+
+def _sampling(do_sample: bool, temperature, top_p, top_k, seed) -> dict:
+    """generate() keywords of the sampling flags (greedy unless --do-sample; its flags without it are an error)."""
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if not do_sample:
+        flags = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
+        if flags:
+            one = len(flags) == 1
+            _fail(f"{', '.join(flags)} {'needs' if one else 'need'} --do-sample (greedy decoding, the default, ignores "
+                  f"{'it' if one else 'them'})")
+        return {"do_sample": False}
+    if temperature is not None and temperature <= 0:
+        _fail(f"--temperature {temperature:g} is not allowed: > 0 (use --greedy for greedy decoding)")
+    if top_p is not None and not 0 < top_p <= 1:
+        _fail(f"--top-p {top_p:g} is not allowed: in (0, 1]")
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)  # every device's generator
+    return {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _peak_rss_bytes() -> int | None:
+    """The process's resident-set high-water mark (model loading included), or None where unknown."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB elsewhere
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., help=GENERATE_MODEL_HELP),
+    preset: str = typer.Option("identity", help="Preset name or YAML file."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text; - reads it from stdin."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file."),
+    max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate at most (EOS stops earlier)."),
+    chat: bool = typer.Option(False, "--chat", help="Format the prompt as one user turn with the tokenizer's chat "
+                              "template (and its generation prompt); print only the reply."),
+    dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP),
+    device: Device = typer.Option(Device.auto, case_sensitive=False, help="Where the model runs: cpu, cuda, or "
+                                  "auto (cuda when available, else cpu)."),
+    do_sample: bool = typer.Option(False, "--do-sample/--greedy", help="Sample, or decode greedily (the default)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; needs --do-sample)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (needs --do-sample)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all; "
+                                        "needs --do-sample)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed torch's generators before sampling (reproducible "
+                                       "--do-sample runs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, speed, peak memory, cache bytes) "
+                                 "instead of the text and summary lines."),
+) -> None:
+    """Generate with a stack applied; print the text, tokens/s and the cache memory vs. the full cache."""
+    import time
+
+    import torch
+
+    import kvstack
+    from kvstack.stack.apply import cache_kwarg
+
+    text = _read_prompt(prompt, prompt_file)
     spec = _load(preset)
-    if not model.is_dir():
-        _fail(f"--model {str(model)!r} is not a directory holding a Hugging Face model")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model).eval()
+    sampling = _sampling(do_sample, temperature, top_p, top_k, seed)
+    where = _resolve_device(device)
+    hub_id = _hub_id(model)
+    if hub_id is not None:
+        lm, tokenizer = _load_hub_model(hub_id, dtype, where)
+    else:
+        _check_model_source(Path(model))
+        lm, tokenizer = _load_model(Path(model), dtype, where)
     try:
         kvstack.apply(lm, spec)
     except kvstack.KVStackError as err:
         _fail(str(err))
-    inputs = tokenizer(prompt, return_tensors="pt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            _fail(f"--chat: the tokenizer of {model!r} has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        inputs = tokenizer(text, return_tensors="pt")
+    inputs = {name: tensor.to(where) for name, tensor in inputs.items()}
     cache = kvstack.cache_for(lm)
-    with torch.no_grad():
-        out = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **{"cache": cache})
-    typer.echo(tokenizer.decode(out[0], skip_special_tokens=True))
+    on_cuda = torch.device(where).type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **{cache_kwarg(lm): cache})
+    if on_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    prompt_tokens = inputs["input_ids"].shape[1]
+    new_tokens = out.shape[1] - prompt_tokens
+    reply = tokenizer.decode(out[0, prompt_tokens:], skip_special_tokens=True)
+    shown = reply if chat else tokenizer.decode(out[0], skip_special_tokens=True)
     report = cache.memory_report()
+    dtype_name = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    rss = _peak_rss_bytes()
+    cuda_peak = int(torch.cuda.max_memory_allocated()) if on_cuda else None
+    if as_json:
+        typer.echo(json.dumps({
+            "text": shown, "completion": reply, "model": model, "preset": spec.name, "device": where,
+            "dtype": dtype_name, "do_sample": sampling["do_sample"], "seed": seed, "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else None,
+            "peak_memory_bytes": cuda_peak if on_cuda else rss,
+            "peak_memory_source": "torch.cuda.max_memory_allocated" if on_cuda else "process RSS high-water mark",
+            "peak_rss_bytes": rss, "cuda_max_allocated_bytes": cuda_peak,
+            "cache_bytes": report["total_bytes"], "full_cache_bytes": report["full_cache_bytes"],
+            "ratio": report["ratio"], "tokens_seen": report["tokens_seen"],
+        }))
+        return
+    typer.echo(shown)
+    peak = (f"CUDA peak {cuda_peak / 2**20:,.0f} MiB allocated" if on_cuda
+            else f"peak RSS {rss / 2**20:,.0f} MiB" if rss is not None else "peak memory unknown")
+    typer.echo(
+        f"speed: {new_tokens} new tokens in {seconds:.2f} s ({new_tokens / seconds:.1f} tokens/s, the prefill of "
+        f"{prompt_tokens} prompt tokens included; {dtype_name} on {where}; {peak})"
+    )
     typer.echo(
         f"memory: {report['total_bytes']:,} bytes held vs {report['full_cache_bytes']:,} for the full cache "
         f"at {report['tokens_seen']} tokens (ratio {report['ratio']:.3f})"
@@ -153,27 +414,58 @@ def generate(
 
 @app.command()
 def bench(
-    model: Path = typer.Option(..., help="Path of a Hugging Face causal LM (local directory)."),
-    data: Path = typer.Option(..., help="JSONL file of passages, one {\"text\": ...} per line."),
-    presets: str = typer.Option(..., help="Comma-separated preset names or YAML files, e.g. identity,streaming."),
-    ratios: str = typer.Option(
-        "0.5,0.25,0.125",
-        help="Comma-separated memory ratios for presets that take a budget (stack budget := {ratio: r}, stage "
-        "budgets dropped); an empty string runs every preset as written.",
+    model: Path = typer.Option(..., help=MODEL_HELP),
+    data: Optional[Path] = typer.Option(
+        None, help="JSONL data. prefill/decode: passages, one {\"text\": ...} per line (required); code-kl: default "
+        "../shared/data/smollm2-code-dev.jsonl (KVSTACK_CODE_DATA); needle: default "
+        "../shared/data/smollm2-needle-dev.jsonl (KVSTACK_NEEDLE_DATA).",
     ),
-    protocol: str = typer.Option("prefill", help="prefill: compress the prefix, then decode; decode: compress "
-                                 "continuously while feeding tokens one at a time."),
-    passages: int = typer.Option(32, min=1, help="Number of passages (the first N of --data)."),
-    prefix: int = typer.Option(384, min=1, help="Tokens before the first predicted position."),
-    max_len: int = typer.Option(512, min=2, help="Tokens per passage (truncated)."),
+    presets: str = typer.Option(..., help="Comma-separated preset names or YAML files, e.g. identity,streaming."),
+    ratios: Optional[str] = typer.Option(
+        None,
+        help="Comma-separated memory ratios for presets that take a budget (stack budget := {ratio: r}, stage "
+        "budgets dropped); an empty string runs every preset as written. Default: 0.5,0.25,0.125 (prefill, decode), "
+        "0.5,0.25,0.125,0.0625 (code-kl, needle).",
+    ),
+    protocol: str = typer.Option(
+        BenchProtocol.prefill.value, metavar=PROTOCOL_METAVAR,
+        help="prefill: compress the prefix, then decode; decode: compress continuously while feeding tokens one at a "
+        "time; code-kl: KL vs. the full cache on 2048-token code passages (prefix prefilled, the rest teacher-forced "
+        "token by token); needle: needle-in-a-haystack accuracy per context length (docs/real-models.md).",
+    ),
+    passages: Optional[int] = typer.Option(None, min=1, help="Number of passages (the first N of --data; default 32, "
+                                           "code-kl: 4)."),
+    prefix: Optional[int] = typer.Option(None, min=1, help="Tokens before the first predicted position (default 384, "
+                                         "code-kl: 1792)."),
+    max_len: Optional[int] = typer.Option(None, min=2, help="Tokens per passage (truncated; default 512, code-kl: "
+                                          "2048)."),
     decode_prefill: int = typer.Option(16, min=1, help="decode protocol: tokens prefilled in one forward."),
-    out: Path = typer.Option(..., help="Output directory (results.json, quality_vs_memory.png)."),
+    tasks: int = typer.Option(10, min=1, help="needle: tasks per context length (the first N of each)."),
+    lengths: str = typer.Option("1024,2048,4096", help="needle: comma-separated context lengths (context_tokens)."),
+    include_8k: bool = typer.Option(False, "--include-8k", help="needle: also run the 8000-token tasks (slow)."),
+    max_new_tokens: int = typer.Option(16, min=1, help="needle: greedy reply length limit (SmolLM2's sentence "
+                                       "answer takes 12-13 tokens)."),
+    dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP + " prefill/decode: float32 "
+                                          "only."),
+    fp32: bool = typer.Option(False, "--fp32", help="Shorthand for --dtype float32."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: KVSTACK_BENCH_THREADS or torch's "
+                                          "default; 1 is fastest on a busy 2-core machine)."),
+    out: Path = typer.Option(..., help="Output directory (results.json, quality_vs_memory.png; code-kl: code_kl.json, "
+                             "code_kl_quality_vs_memory.png; needle: needle.json, needle_accuracy_vs_memory.png)."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
-    """Benchmark presets against the full cache and transformers' QuantizedCache: table, results.json and a plot."""
+    """Benchmark presets against the full cache (and, for prefill/decode, transformers' QuantizedCache): a table, a
+    JSON file and a plot."""
     from kvstack import KVStackError
-    from kvstack.bench import harness
+    from kvstack.bench import harness, real_model
 
+    try:
+        chosen = BenchProtocol(protocol)
+    except ValueError:
+        _fail(f"protocol={protocol!r} is not allowed: one of {', '.join(p.value for p in BenchProtocol)}")
+    real = chosen in (BenchProtocol.code_kl, BenchProtocol.needle)
+    if ratios is None:
+        ratios = ",".join(f"{r:g}" for r in (real_model.DEFAULT_RATIOS if real else harness.DEFAULT_RATIOS))
     try:
         ratio_values = tuple(float(r) for r in ratios.split(",") if r.strip())
     except ValueError:
@@ -183,20 +475,84 @@ def bench(
     names = [p.strip() for p in presets.split(",") if p.strip()]
     if not names:
         _fail("--presets is empty: give comma-separated preset names or YAML files")
-    if not model.is_dir():
-        _fail(f"--model {str(model)!r} is not a directory holding a Hugging Face model")
-    _check_jsonl(data)
+    if fp32:
+        if dtype not in (None, DType.float32):
+            _fail(f"--fp32 and --dtype {dtype.value} contradict each other: give one")
+        dtype = DType.float32
+    if not real and dtype not in (None, DType.float32):
+        _fail(f"--dtype {dtype.value} is not allowed with --protocol {chosen.value}: it runs in float32 "
+              "(kvstack.bench.protocol); code-kl and needle take --dtype")
+    if not model.exists():
+        _fail(f"--model {str(model)!r} does not exist (a Hugging Face directory or a .gguf file)")
+    try:
+        harness.preset_runs(names, ratio_values)  # unknown presets / invalid overrides: before anything loads
+    except KVStackError as err:
+        _fail(str(err))
+    if chosen is BenchProtocol.code_kl:
+        data = data if data is not None else real_model.code_data_path()
+        _check_jsonl(data)
+    elif chosen is BenchProtocol.needle:
+        data = data if data is not None else real_model.needle_data_path()
+        _check_jsonl_fields(data, ("context_tokens", "context", "question", "answer"))
+    else:
+        if data is None:
+            _fail(f"--data is required with --protocol {chosen.value}: a JSONL file of {{\"text\": ...}} passages")
+        _check_jsonl(data)
     if out.exists() and not out.is_dir():
         _fail(f"--out {str(out)!r} is a file: give a directory (it is created when missing)")
+    if real:
+        _check_model_source(model)
+    _run_bench(chosen, model, data, names, out, ratio_values, passages=passages, prefix=prefix, max_len=max_len,
+               decode_prefill=decode_prefill, tasks=tasks, lengths=lengths, include_8k=include_8k,
+               max_new_tokens=max_new_tokens, dtype=dtype, threads=threads, progress=progress)
+
+
+def _run_bench(chosen: BenchProtocol, model: Path, data: Path, names: list[str], out: Path, ratios: tuple, *,
+               passages, prefix, max_len, decode_prefill, tasks, lengths, include_8k, max_new_tokens, dtype, threads,
+               progress) -> None:
+    """The protocol's run and its printout (options already checked)."""
+    import torch
+
+    from kvstack import KVStackError
+    from kvstack.bench import harness, models, real_model
+
+    dtype_name = dtype.value if dtype is not None else None
     try:
-        result = harness.bench(
-            model, data, names, out, passages=passages, ratios=ratio_values, protocol_name=protocol, prefix=prefix,
-            max_len=max_len, decode_prefill=decode_prefill, progress=progress,
-        )
+        if chosen is BenchProtocol.code_kl:
+            result = real_model.code_kl(
+                model, data, names, out, passages=passages or real_model.CODE_PASSAGES, ratios=ratios,
+                prefix=prefix or real_model.CODE_PREFIX, max_len=max_len or real_model.CODE_MAX_LEN, dtype=dtype_name,
+                threads=threads, progress=progress,
+            )
+            typer.echo(real_model.code_kl_table(result.rows))
+        elif chosen is BenchProtocol.needle:
+            try:
+                length_values = [int(n) for n in lengths.split(",") if n.strip()]
+            except ValueError:
+                _fail(f"--lengths {lengths!r} is not allowed: comma-separated context lengths, e.g. 1024,2048")
+            result = real_model.needle(
+                model, data, names, out, tasks_per_length=tasks, lengths=length_values, include_8k=include_8k,
+                ratios=ratios, max_new_tokens=max_new_tokens, dtype=dtype_name, threads=threads, progress=progress,
+            )
+            typer.echo(real_model.needle_table(result.rows))
+        else:
+            hf_dir = models.ensure_hf_dir(model)  # a GGUF file is converted once; harness loads float32
+            if threads:
+                torch.set_num_threads(threads)
+            result = harness.bench(
+                hf_dir, data, names, out, passages=passages or 32, ratios=ratios, protocol_name=chosen.value,
+                prefix=prefix or 384, max_len=max_len or 512, decode_prefill=decode_prefill, progress=progress,
+            )
+            typer.echo(harness.markdown_table(result.rows))
+            typer.echo(f"\nwrote {out / harness.RESULTS_FILE} and {out / harness.PLOT_FILE}")
+            return
     except (KVStackError, ValueError) as err:
         _fail(str(err))
-    typer.echo(harness.markdown_table(result.rows))
-    typer.echo(f"\nwrote {out / harness.RESULTS_FILE} and {out / harness.PLOT_FILE}")
+    written = result.files
+    if written.get("plot"):
+        typer.echo(f"\nwrote {written['json']} and {written['plot']}")
+    else:
+        typer.echo(f"\nwrote {written['json']}; no plot: {written.get('plot_skipped')}")
 
 
 @app.command()

@@ -38,3 +38,32 @@ def real_model_and_tokenizer():
 def dev_passages():
     _require(data_path())
     return load_passages(n=None)
+
+
+def _require_real(path, variable: str) -> None:
+    """Like ``_require``, naming the variable that overrides ``path`` (the SmolLM2 model and its data)."""
+    if not path.exists():
+        message = f"real test data missing: {path} (set {variable})"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    """Path of SmolLM2-135M-Instruct (its directory with one GGUF; ``KVSTACK_REAL_MODEL``). The first load converts
+    it once into ``KVSTACK_CACHE_DIR`` (~30 s); later loads read that copy."""
+    from kvstack.bench.real_model import model_path as real_model_path
+
+    _require_real(real_model_path(), "KVSTACK_REAL_MODEL")
+    return real_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_data():
+    """(code passages path, needle tasks path) for SmolLM2 (``KVSTACK_CODE_DATA`` / ``KVSTACK_NEEDLE_DATA``)."""
+    from kvstack.bench.real_model import code_data_path, needle_data_path
+
+    _require_real(code_data_path(), "KVSTACK_CODE_DATA")
+    _require_real(needle_data_path(), "KVSTACK_NEEDLE_DATA")
+    return code_data_path(), needle_data_path()

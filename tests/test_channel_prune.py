@@ -150,7 +150,8 @@ def test_dynamic_keeps_the_channels_queries_and_keys_use():
 
 def test_dynamic_composes_with_eviction():
     model = tiny_model("llama")
-    spec = _spec(_dynamic(0.5), {"kind": "evict", "scorer": "window", "n_sink": 2}, budget={"tokens": 10})
+    # 11 tokens' bytes keep 10 (a position each)
+    spec = _spec(_dynamic(0.5), {"kind": "evict", "scorer": "window", "n_sink": 2}, budget={"tokens": 11})
     kvstack.apply(model, spec)
     out, cache = _stack_logits(model, _ids(30), 20)
     applied = getattr(model, APPLIED_ATTR).spec
@@ -327,7 +328,7 @@ def test_pruned_tokens_evicted_into_the_low_rank_state_fold_their_kept_channels(
         {"kind": "channel_prune", "ratio": 0.5, "window": 4},
         {"kind": "evict", "scorer": "window", "n_sink": 2},
         {"kind": "lowrank", "rank": 4},
-        budget={"tokens": 12},
+        budget={"tokens": 15},  # 15 tokens' bytes: the state (552) and 12 kept tokens with their positions
     )
     kvstack.apply(model, spec)
     out, cache = _stack_logits(model, _ids(30), 20)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvstack.bench.protocol import model_path
@@ -58,3 +60,148 @@ def test_generate_prints_text_and_memory(real_model_and_tokenizer):
     assert memory.startswith("memory:") and "ratio" in memory
     ratio = float(memory.rsplit("ratio", 1)[1].strip(" )"))
     assert ratio < 0.9  # 132 kept of 155 tokens seen, positions included
+
+
+# ------------------------------------------------------------------ generate: devices, Hub ids, prompts, sampling, JSON
+PROMPT = "Once upon a time"
+
+
+def _flat(output: str) -> str:
+    """Output with rich's box drawing and line wrapping removed, for substring checks."""
+    for ch in "│╭╮╰╯─":
+        output = output.replace(ch, " ")
+    return " ".join(output.split())
+
+
+def _generate(*args: str, **invoke):
+    return runner.invoke(app, ["generate", "--model", str(model_path()), *args], **invoke)
+
+
+def _json(*args: str, **invoke) -> dict:
+    result = _generate("--json", *args, **invoke)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)  # stdout holds the one JSON object and nothing else
+
+
+def test_generate_json_reports_text_speed_peak_and_cache_bytes(real_model_and_tokenizer):
+    report = _json("--preset", "streaming", "--prompt", PROMPT, "--max-new-tokens", "150", "--device", "cpu")
+    assert report["text"].startswith(PROMPT) and report["text"].endswith(report["completion"]) and report["completion"]
+    assert report["prompt_tokens"] == 5 and 0 < report["new_tokens"] <= 150
+    assert report["tokens_seen"] == report["prompt_tokens"] + report["new_tokens"] - 1  # the last token is not fed
+    assert report["tokens_per_s"] > 0 and report["seconds"] > 0
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["preset"] == "streaming"
+    assert report["peak_memory_bytes"] == report["peak_rss_bytes"] > 10 * 2**20  # torch alone takes more
+    assert report["cuda_max_allocated_bytes"] is None
+    assert report["cache_bytes"] < report["full_cache_bytes"]  # 132 tokens kept of 154
+    assert report["ratio"] == pytest.approx(report["cache_bytes"] / report["full_cache_bytes"])
+
+
+def test_generate_text_output_names_device_and_peak(real_model_and_tokenizer):
+    result = _generate("--prompt", PROMPT, "--max-new-tokens", "4", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    speed = next(line for line in result.output.splitlines() if line.startswith("speed:"))
+    assert "float32 on cpu" in speed and "peak RSS" in speed
+
+
+def test_generate_reads_the_prompt_from_a_file_or_stdin(real_model_and_tokenizer, tmp_path):
+    direct = _json("--prompt", PROMPT, "--max-new-tokens", "8")
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT + "\n")  # an editor's trailing newline is not part of the prompt
+    from_file = _json("--prompt-file", str(prompt_file), "--max-new-tokens", "8")
+    assert (from_file["text"], from_file["prompt_tokens"]) == (direct["text"], direct["prompt_tokens"])
+    piped = _json("--prompt", "-", "--max-new-tokens", "8", input=PROMPT + "\n")
+    assert (piped["text"], piped["prompt_tokens"]) == (direct["text"], direct["prompt_tokens"])
+
+
+def test_generate_prompt_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    cases = [
+        ([], "a prompt is required: --prompt TEXT, --prompt - (read stdin) or --prompt-file PATH"),
+        (["--prompt", "x", "--prompt-file", str(empty)], "--prompt and --prompt-file are exclusive"),
+        (["--prompt-file", str(tmp_path / "missing.txt")], "missing.txt' is not a file"),
+        (["--prompt-file", str(empty)], "empty.txt' is empty"),
+        (["--prompt-file", str(latin)], "latin1.txt' is not UTF-8 text"),
+        (["--prompt", "  "], "--prompt is empty"),
+    ]
+    for args, message in cases:
+        result = _generate(*args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+    result = _generate("--prompt", "-", input="\n")
+    assert result.exit_code == 2 and "--prompt - (stdin) is empty" in result.output
+
+
+def test_generate_sampling_flags(real_model_and_tokenizer):
+    args = ("--prompt", PROMPT, "--max-new-tokens", "20")
+    greedy = _json(*args)["completion"]
+    assert _json(*args, "--greedy")["completion"] == greedy
+    first = _json(*args, "--do-sample", "--seed", "1")
+    assert first["do_sample"] is True and first["seed"] == 1
+    assert _json(*args, "--do-sample", "--seed", "1")["completion"] == first["completion"]  # the seed reproduces
+    assert _json(*args, "--do-sample", "--seed", "2")["completion"] != first["completion"]
+    assert first["completion"] != greedy
+    # a temperature near 0 and top-k 1 are greedy again: the flags reach generate
+    assert _json(*args, "--do-sample", "--seed", "1", "--top-k", "1")["completion"] == greedy
+    assert _json(*args, "--do-sample", "--seed", "1", "--temperature", "0.01", "--top-p", "0.5")["completion"] == greedy
+
+
+def test_generate_sampling_flag_errors():
+    cases = [
+        (["--temperature", "0.7"], "--temperature needs --do-sample"),
+        (["--top-p", "0.9", "--top-k", "5"], "--top-p, --top-k need --do-sample"),
+        (["--do-sample", "--temperature", "0"], "--temperature 0 is not allowed: > 0"),
+        (["--do-sample", "--top-p", "1.5"], "--top-p 1.5 is not allowed: in (0, 1]"),
+        (["--do-sample", "--top-k", "-1"], "Invalid value for '--top-k'"),
+        (["--seed", "-3"], "Invalid value for '--seed'"),
+    ]
+    for args, message in cases:
+        result = _generate("--prompt", PROMPT, *args)
+        assert result.exit_code == 2 and message in _flat(result.output), (args, result.output)
+
+
+def test_generate_device_choices(real_model_and_tokenizer):
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert _json("--prompt", PROMPT, "--max-new-tokens", "2", "--device", "auto")["device"] == expected
+    result = _generate("--prompt", PROMPT, "--device", "tpu")
+    assert result.exit_code == 2
+    message = "Invalid value for '--device': Value error, 'tpu' is not one of 'auto', 'cpu', 'cuda'"
+    assert message in _flat(result.output)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_generate_cuda_without_cuda_is_a_clear_error():
+    result = _generate("--prompt", PROMPT, "--device", "cuda")
+    assert result.exit_code == 2
+    assert "--device cuda is not available: torch" in result.output and "use --device cpu (or auto)" in result.output
+
+
+def test_generate_hub_id_offline_is_a_clear_error():
+    result = runner.invoke(app, ["generate", "--model", "kvstack-tests/no-such-model", "--prompt", PROMPT],
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 2, result.output
+    message = _flat(result.output)
+    assert "--model 'kvstack-tests/no-such-model' is not a local path" in message and "offline" in message
+    assert "a local Hugging Face directory or a .gguf file works offline" in message
+    # something path-like that does not exist is a missing path, not a Hub id
+    result = runner.invoke(app, ["generate", "--model", "../no/such/dir", "--prompt", PROMPT],
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 2 and "'../no/such/dir' does not exist" in result.output
+
+
+def test_generate_help_lists_the_choices():
+    result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    help_text = _flat(result.output)
+    for choices in ("auto|cpu|cuda", "float32|bfloat16|float16", "--do-sample --greedy", "--prompt-file", "--json",
+                    "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens"):
+        assert choices in help_text, choices
+
+
+def test_schema_format_is_a_choice(tmp_path):
+    out = tmp_path / "ref.md"
+    assert runner.invoke(app, ["schema", "--format", "markdown", "--out", str(out)]).exit_code == 0
+    assert out.read_text().startswith("#")
+    result = runner.invoke(app, ["schema", "--format", "xml"])
+    assert result.exit_code == 2 and "'xml' is not one of 'json', 'markdown'" in _flat(result.output)

@@ -64,7 +64,7 @@ def make_layer(seed, *, batch, kv_heads, q_len, full, quant, pruned, state, empt
         tier.append(*kv(pruned), positions(pruned))
         layer.tiers.append(tier)
     if state:
-        layer.state = LowRankTier(random_feature_maps(4, seed, 1, kv_heads, D, dt)[0], dt, D)
+        layer.state = LowRankTier(random_feature_maps(4, seed, 1, kv_heads, D, dt)[0], dt, D, kv_heads)
         q0 = torch.zeros(batch, kv_heads, 1, D, dtype=dt)
         layer.state.prepare(q0, D**-0.5)
         sk, sv = kv(5)

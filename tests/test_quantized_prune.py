@@ -15,10 +15,10 @@ from kvstack.stages.quantized_prune import QuantizedPruneSpec
 TIERS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 2}]
 
 
-def stack(budget=None, **stage) -> dict:
+def stack(stack_budget=None, **stage) -> dict:
     spec = {"name": "qp", "stages": [{"kind": "quantized_prune", "group_size": 4, **stage}]}
-    if budget is not None:
-        spec["budget"] = budget
+    if stack_budget is not None:
+        spec["budget"] = stack_budget
     return spec
 
 
@@ -68,35 +68,42 @@ def test_fractions_without_rest_evict_the_remainder_within_the_bound():
 
 def test_short_form_demotes_what_eviction_would_drop():
     model = tiny_model("llama")
-    with kvstack.applied(model, stack(budget={"tokens": 10}, scorer="window", n_sink=2, bits=2)):
+    # the short form's budget selects the 16-bit tokens; it is not a memory promise, so it sits on the stage
+    with kvstack.applied(model, stack(scorer="window", n_sink=2, bits=2, budget={"tokens": 10})):
         cache = next(drive(model, None))
     layer = cache.layers[0]
     full = sorted(p for p in layer.full.positions[0, 0].tolist() if p >= 0)
-    assert full == [0, 1] + list(range(24, 32))  # exactly what evict(window, n_sink=2) to 10 tokens keeps
-    assert counts(layer) == {"full": 10, "quantized2": 22}  # nothing is lost
+    # what evict(window, n_sink=2) to 10 tokens' bytes keeps: 9 tokens and their positions
+    assert full == [0, 1] + list(range(25, 32))
+    assert counts(layer) == {"full": 9, "quantized2": 23}  # nothing is lost
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.125])
 def test_ratio_budget_buys_more_tokens_at_lower_precision(ratio):
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(
-        stack(budget={"ratio": ratio}, scorer="h2o", tiers=[{"rest": True, "bits": 2}], group_size=16,
+        stack(stack_budget={"ratio": ratio}, scorer="h2o", tiers=[{"rest": True, "bits": 2}], group_size=16,
               value_group_size="head_dim")
     )
     stage: QuantizedPruneSpec = spec.stages[0]
     shape = kvstack.ModelShape.from_model(model)
     with kvstack.applied(model, spec):
-        for cache in drive(model, None, prefill=64, steps=8):
+        for cache in drive(model, None, prefill=256, steps=8):
             seen = cache.get_seq_length()
             held = counts(cache.layers[0])
-            assert cache.memory_bytes() <= spec.memory_bound(model.config, seen, prefill_len=64)
-    cost = stage.level_costs(shape, torch.float32)[0]
+            assert cache.memory_bytes() <= spec.memory_bound(model.config, seen, prefill_len=256)
+            assert cache.memory_bytes() <= ratio * cache.full_bytes()  # the promise
     reference = 2 * (16 + 16) * 4
-    n = math.floor(ratio * 64 * reference / cost)
-    assert sum(stage.level_counts(shape, torch.float32, spec.budget, 64, 64)) == n
-    sixteen_bit = math.floor(ratio * 64 * reference / (reference + 16))  # what h2o eviction keeps
-    assert n > 2 * sixteen_bit
-    assert held["quantized2"] >= n - 8  # the newest (at most every - 1) tokens wait in the full tier
+    n = sum(stage.level_counts(shape, torch.float32, spec.budget, 256, 256))
+    # whole 16-token groups of 2-bit codes (+ scales, zero points, positions, records) within ratio x 256 tokens,
+    # less the 15 tokens that wait in full precision (net of the budget's growth; at most a quarter of the limit)
+    slot = round(stage.level_costs(shape, torch.float32)[0] * 16)
+    limit = int(ratio * 256 * reference + 1e-9)
+    wait = math.ceil(15 * ((reference + 16) - ratio * reference))  # a full token: its position and H2O score per head
+    assert n == 16 * ((limit - min(wait, limit // 4)) // slot) - 15  # room for the holes of one more group
+    sixteen_bit = math.floor(ratio * 256 * reference / (reference + 16))  # what h2o eviction keeps
+    assert n > 1.5 * sixteen_bit
+    assert held["quantized2"] >= n - 16
 
 
 def test_all_tokens_at_16_bits_is_the_identity():

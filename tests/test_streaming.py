@@ -9,7 +9,9 @@ import kvstack
 
 
 def streaming(window: int, n_sink: int = 4) -> dict:
-    return {"name": "s", "budget": {"tokens": n_sink + window}, "stages": [{"kind": "evict", "n_sink": n_sink}]}
+    """Sinks + a recent window: a budget of one token more, whose bytes pay the kept tokens' int32 positions."""
+    budget = {"tokens": n_sink + window + 1}
+    return {"name": "s", "budget": budget, "stages": [{"kind": "evict", "n_sink": n_sink}]}
 
 
 def test_keeps_exactly_sinks_and_window_after_every_step():

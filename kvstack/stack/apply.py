@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import attention, prefill
+from .budget import check_budget
 from .cache import KVStackCache
 from .errors import CacheUsageError, SpecError
 from .shape import ModelShape
@@ -53,6 +54,7 @@ def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibrati
         spec = spec.with_overrides(**overrides)
     shape = ModelShape.from_model(model)
     spec.validate_for(shape)
+    check_budget(spec, shape, shape.dtype)
     if getattr(model, APPLIED_ATTR, None) is not None:
         remove(model)
 
@@ -142,6 +144,7 @@ def cache_for(model, spec: "StackSpec | dict | str | Path | None" = None) -> KVS
             f"{[s.kind for s in state.spec.model_stages]}; call kvstack.apply(model, spec) instead"
         )
     spec.validate_for(state.shape)
+    check_budget(spec, state.original_shape, state.original_shape.dtype)
     return KVStackCache(spec, state.shape, reference=state.original_shape)
 
 

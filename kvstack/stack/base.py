@@ -29,12 +29,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Budget(BaseModel):
-    """How much a compressing stage may keep: ``tokens`` per layer and KV head, or ``ratio`` — a fraction of the
-    memory an uncompressed cache (model dtype) would hold at the same token count."""
+    """How much memory a layer may hold, as a promise (docs/budgets.md): ``tokens: n`` — the bytes of ``n``
+    uncompressed tokens per layer (keys + values of every KV head in the model's dtype), and never more than ``n``
+    tokens per KV head; ``ratio: r`` — ``r`` times the bytes of the uncompressed cache of the tokens seen. Every
+    tensor the cache holds counts (codes, scales, zero points, positions, records, state)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    tokens: int | None = Field(default=None, ge=1, description="Tokens kept per layer and KV head.")
+    tokens: int | None = Field(
+        default=None, ge=1, description="The memory of this many uncompressed tokens per layer (and at most that many "
+        "tokens per KV head)."
+    )
     ratio: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Memory ratio of the full cache at the same token count."
     )
@@ -47,6 +52,16 @@ class Budget(BaseModel):
                 f"got tokens={self.tokens}, ratio={self.ratio}"
             )
         return self
+
+    def limit_bytes(self, seen: int, reference_bytes_per_token: int) -> int:
+        """Bytes one layer of one batch row may hold after ``seen`` tokens (``reference_bytes_per_token``: one
+        uncompressed token of that layer: keys + values of every KV head in the model's dtype)."""
+        if self.tokens is not None:
+            return self.tokens * reference_bytes_per_token
+        return int(self.ratio * seen * reference_bytes_per_token + 1e-9)
+
+    def describe(self) -> str:
+        return f"tokens: {self.tokens}" if self.tokens is not None else f"ratio: {self.ratio:g}"
 
 
 class StageSpec(BaseModel):
@@ -67,6 +82,19 @@ class StageSpec(BaseModel):
         """Longest prompt piece this stage wants per forward (None: any). ``kvstack.apply`` splits longer
         forwards into pieces so the stage can compress between them and peak memory stays bounded."""
         return None
+
+    def keeps_budget(self) -> bool:
+        """True for stages that size what they keep to a budget, in bytes (evict, quantized_prune with tiers): one
+        of them keeps the stack's promise (its runtime ``Stage.fit``; docs/budgets.md)."""
+        return False
+
+    def effective_budget(self, stack_budget: Budget | None) -> Budget | None:
+        """The budget this stage sizes itself to (its own, else the stack's)."""
+        return None
+
+    def layer_scale(self, layer_idx: int, num_layers: int) -> float:
+        """Share of the budget layer ``layer_idx`` gets, relative to the mean (1.0; a pyramid schedule varies it)."""
+        return 1.0
 
     def validate_with(self, stack_budget: Budget | None) -> None:
         """Checks that need the stack-wide budget but no model (run when the spec is loaded)."""
@@ -108,6 +136,11 @@ class Stage:
 
     def after_attention(self, layer: "StackLayer", stats: "AttentionStats") -> None:
         """Compress the layer after its attention ran (the only place tokens may leave a tier)."""
+
+    def fit(self, layer: "StackLayer", stats: "AttentionStats", limit: int) -> None:
+        """Stages that ``keeps_budget``: remove tokens until ``layer.memory_bytes() <= limit`` (the stack's promise;
+        called after every stage's ``after_attention`` when the layer holds more)."""
+        raise NotImplementedError(f"{type(self).__name__} does not size itself to a budget")
 
 
 def spec_error(field: str, value: Any, allowed: str) -> SpecError:

@@ -7,7 +7,7 @@ Data flow of one forward through one layer::
              stack attention (one softmax over every tier + low-rank state) ◄─┘
                                                                               │
              StackLayer.finish_forward: sliding-window drop, then each stage's after_attention
-             (evict / demote to a quantized tier / fold into the state) ◄─────┘
+             (evict / demote to a quantized tier / fold into the state), then the budget's check ◄─┘
 
 Contracts with transformers (see docs/architecture.md): ``get_seq_length`` counts tokens SEEN, not kept;
 ``update`` returns everything the current queries need and nothing is removed before attention ran; masks are
@@ -24,6 +24,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from . import engine
+from .budget import STATE_SHARE, BudgetError, LayerPromise, promise, reference_bytes_per_token
 from .errors import CacheUsageError
 from .memory import POSITION_DTYPE
 from .shape import ModelShape
@@ -45,10 +46,22 @@ class StackLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, shape: ModelShape, stages: list["Stage"]):
+    def __init__(
+        self,
+        layer_idx: int,
+        shape: ModelShape,
+        stages: list["Stage"],
+        budget: tuple | None = None,
+        reference: ModelShape | None = None,
+    ):
+        """``budget``: (the stack's promise, its keeper stage, this layer's share) or None; ``reference``: the model
+        shape memory is promised against (before GQA conversion; default ``shape``)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
+        self.reference = reference or shape
+        self.budget = budget
+        self.promise: LayerPromise | None = None  # built at the first update (it knows the dtype held)
         self.window = shape.layer_windows[layer_idx]
         self.is_sliding = self.window is not None
         self.seen = 0
@@ -65,6 +78,9 @@ class StackLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.full.initialize(key_states, value_states)
+        if self.budget is not None:
+            budget, _, scale = self.budget
+            self.promise = LayerPromise(budget, scale, reference_bytes_per_token(self.reference, key_states.dtype))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -161,6 +177,44 @@ class StackLayer(CacheLayerMixin):
             self._drop_outside_window()
         for stage in self.stages:
             stage.after_attention(self, stats)
+        if self.promise is not None:
+            self._keep_promise(stats)
+
+    # ------------------------------------------------------------------------------- the budget
+    def limit_bytes(self) -> int | None:
+        """Bytes this layer may hold now (all batch rows), or None without a budget."""
+        if self.promise is None:
+            return None
+        return self.full.keys.shape[0] * self.promise.limit(self.seen)
+
+    def reserved_bytes(self) -> int:
+        """Bytes per batch row the layer holds besides its tokens (the state, once it exists or may be created):
+        what a sizing stage subtracts from the limit."""
+        if self.state is None or not self.state_may_fold():
+            return 0
+        return self.state.row_bytes()
+
+    def state_may_fold(self) -> bool:
+        """The state exists, or creating it keeps it within its share of the limit (budget.STATE_SHARE)."""
+        if self.state is None:
+            return False
+        if self.state.allocated or self.promise is None:
+            return True
+        return self.state.row_bytes() <= STATE_SHARE * self.promise.limit(self.seen)
+
+    def _keep_promise(self, stats: AttentionStats) -> None:
+        limit = self.limit_bytes()
+        if self.memory_bytes() <= limit:  # tensor shapes: no host sync
+            return
+        keeper = self.budget[1]
+        keeper.fit(self, stats, limit)
+        held = self.memory_bytes()
+        if held > limit:
+            raise BudgetError(
+                f"layer {self.layer_idx} holds {held} bytes after {self.seen} tokens, more than its budget "
+                f"{{{self.promise.budget.describe()}}} allows ({limit} bytes), and {type(keeper.spec).__name__} "
+                "found nothing more to remove; please report this"
+            )
 
     def _drop_outside_window(self) -> None:
         # no future query of a sliding layer can see these: drop (never fold: the model would not attend to them)
@@ -181,7 +235,7 @@ class StackLayer(CacheLayerMixin):
         """
         keep = keep & tier.valid()
         index, slot_valid = compaction_index(keep)
-        if absorb and self.state is not None:
+        if absorb and self.state_may_fold():
             dropped = tier.valid() & ~keep
             if bool(dropped.any()):
                 d_index, d_valid = compaction_index(dropped)
@@ -257,8 +311,7 @@ class StackLayer(CacheLayerMixin):
             self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
-        stages = self.stages
-        self.__init__(self.layer_idx, self.shape, stages)
+        self.__init__(self.layer_idx, self.shape, self.stages, self.budget, self.reference)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise CacheUsageError(
@@ -289,8 +342,17 @@ class KVStackCache(Cache):
         self.spec = spec
         self.shape = shape
         self.reference_shape = reference or shape
-        stages = [s for s in (st.build(shape, spec.budget) for st in spec.stages) if s is not None]
-        super().__init__(layers=[StackLayer(i, shape, stages) for i in range(shape.num_layers)])
+        built = [(st, st.build(shape, spec.budget)) for st in spec.stages]
+        stages = [stage for _, stage in built if stage is not None]
+        held = promise(spec)
+        keeper = None if held is None else next((stage for st, stage in built if st is held[1]), None)
+        layers = []
+        for i in range(shape.num_layers):
+            budget = None
+            if keeper is not None:
+                budget = (held[0], keeper, held[1].layer_scale(i, shape.num_layers))
+            layers.append(StackLayer(i, shape, stages, budget, self.reference_shape))
+        super().__init__(layers=layers)
 
     def __repr__(self) -> str:
         return f"KVStackCache(spec={self.spec.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
@@ -336,7 +398,7 @@ class KVStackCache(Cache):
                 by_tier[name] = by_tier.get(name, 0) + nbytes
         total = sum(by_tier.values())
         full = self.full_bytes()
-        return {
+        report = {
             "tokens_seen": self.get_seq_length(),
             "total_bytes": total,
             "full_cache_bytes": full,
@@ -344,6 +406,11 @@ class KVStackCache(Cache):
             "by_tier": by_tier,
             "by_layer": layers,
         }
+        limits = [layer.limit_bytes() for layer in self.layers if layer.is_initialized]
+        if limits and limits[0] is not None:  # the promise (docs/budgets.md): total_bytes never exceeds it
+            report["budget"] = self.layers[0].promise.budget.describe()
+            report["budget_bytes"] = sum(limits)
+        return report
 
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, [B, Hkv] real tokens held in exact tiers."""

@@ -183,8 +183,18 @@ class StackSpec(BaseModel):
 
     def memory_bound(self, config_or_shape, seq_len: int, batch: int = 1, dtype=None, prefill_len=None) -> int:
         """Analytic upper bound on ``cache.memory_bytes()`` after ``seq_len`` tokens (all stages composed), the first
-        ``prefill_len`` of them (default: all) in one forward and the rest one token per forward."""
-        return self.memory_plan(config_or_shape, seq_len, batch, dtype, prefill_len).bytes
+        ``prefill_len`` of them (default: all) in one forward and the rest one token per forward: the stages' plan,
+        and never more than the budget the stack promises (docs/budgets.md)."""
+        from .budget import LayerPromise, promise, reference_bytes_per_token
+
+        plan = self.memory_plan(config_or_shape, seq_len, batch, dtype, prefill_len)
+        held = promise(self)
+        if held is None or held[1] is None:
+            return plan.bytes
+        (budget, keeper), n = held, plan.shape.num_layers
+        ref = reference_bytes_per_token(plan.shape, plan.dtype)
+        limit = sum(LayerPromise(budget, keeper.layer_scale(i, n), ref).limit(seq_len) for i in range(n))
+        return min(plan.bytes, batch * limit)
 
 
 def _refresh_stage_union() -> None:

@@ -235,6 +235,15 @@ class StateTier(Tier):
 
     name = "state"
 
+    @property
+    def allocated(self) -> bool:
+        """True once the state holds tensors (it is created by the first ``absorb``, not before)."""
+        return bool(self.tensors())
+
+    def row_bytes(self) -> int:
+        """Bytes of the state per batch row once created (constant: what the budget reserves for it)."""
+        raise NotImplementedError
+
     def prepare(self, query: torch.Tensor, scaling: float) -> None:
         """Called once per forward before attention reads the state, with every query of the forward
         [B, Hkv, G*Q, D] (rows ``(g, q)``, compute dtype) and the attention's scaling."""

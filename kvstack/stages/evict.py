@@ -3,9 +3,12 @@
 The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/`` (``window``, ``key_norm``,
 ``value_key_ratio``, ``h2o``, ``tova``, ``snapkv``, ``obcache``, ``random``); this stage owns the rest (docs/eviction.md):
 
-* budget: ``tokens`` per layer and KV head, or a memory ``ratio`` of the full cache at the tokens seen (own
-  ``budget`` or the stack's); ``schedule: pyramid`` gives early layers more and deep layers less, linearly, with the
-  same average (PyramidKV, arXiv 2406.02069; ``pyramid_spread`` s: layer 0 gets (1 + s) x, the last (1 - s) x);
+* budget (own ``budget`` or the stack's; a promise, docs/budgets.md): the bytes of ``tokens`` uncompressed tokens per
+  layer, or a memory ``ratio`` of the full cache at the tokens seen. The kept count is worked out in bytes: what one
+  kept token costs (keys, values, positions — per head when head-wise — and the scorer's records), after what the
+  layer holds besides (the low-rank state) and the ``every`` slack; protected tokens yield when the budget is
+  smaller than they are (short prompts under a ratio); ``schedule: pyramid`` gives early layers more and deep
+  layers less, linearly, with the same average (PyramidKV, arXiv 2406.02069; ``pyramid_spread`` s: layer 0 gets (1 + s) x, the last (1 - s) x);
 * protected sets: the first ``n_sink`` real tokens of each row (attention sinks), the ``recent`` newest positions and
   the scorer's own (SnapKV's observation ``window``);
 * heads: ``head_wise`` (default: the scorer's) — each KV head keeps its own top-k, the same count per head so tensors
@@ -17,8 +20,8 @@ The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/`` (`
   block is scored by the ``aggregate`` (mean / min / max) of its tokens' scores, and the lowest-scored blocks leave;
 * when: ``phase`` ``always`` (after every forward), ``prefill`` (forwards of the prompt: more than one query, or the
   first forward) or ``decode`` (the others); ``every: N`` lets the layer grow N - 1 tokens past the budget before it
-  compresses back to it (one eviction per N decode steps; memory may exceed the budget by at most N - 1 tokens and the
-  memory bound says so); ``chunk_size`` runs long prompts in pieces with a compression after each, so the peak holds
+  compresses back to it (one eviction per N decode steps; the slack is inside the budget: the cap is N - 1 tokens
+  lower); ``chunk_size`` runs long prompts in pieces with a compression after each, so the peak holds
   at most budget + chunk_size tokens (+ N - 1).
 
 Selection goes through ``StackLayer.retain``: padding is never kept nor counted, and evicted tokens are folded into
@@ -34,7 +37,8 @@ import torch
 from pydantic import Field
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.memory import _itemsize, full_tier_bytes
+from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
+from kvstack.stack.memory import full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
@@ -70,6 +74,9 @@ class EvictSpec(StageSpec, ScorerOptions):
 
     def prefill_chunk(self) -> int | None:
         return self.chunk_size
+
+    def keeps_budget(self) -> bool:
+        return True
 
     def inactive_options(self) -> set[str]:
         inactive = self.scorer_inactive_options()
@@ -109,25 +116,26 @@ class EvictSpec(StageSpec, ScorerOptions):
             shape
         )
 
-    def layer_caps(self, shape, dtype, stack_budget) -> list["LayerCap"]:
-        """Per layer, the tokens per (row, KV head) it may keep after ``seen`` tokens (before the ``every`` slack):
-        everything but ``seen`` is worked out here, once per cache."""
+    def layer_scale(self, layer_idx: int, num_layers: int) -> float:
+        if self.schedule == "pyramid" and num_layers > 1:
+            return 1 + self.pyramid_spread * (1 - 2 * layer_idx / (num_layers - 1))
+        return 1.0
+
+    def layer_caps(self, shape, dtype, stack_budget, reference=None) -> list["LayerCap"]:
+        """Per layer, the tokens per (row, KV head) it may keep after ``seen`` tokens with ``reserved`` bytes per row
+        held besides its tokens: everything but those two is worked out here, once per cache and dtype.
+        ``reference``: the shape the budget is against (default ``shape``)."""
         budget = self.effective_budget(stack_budget)
-        ratio = None
-        if budget.tokens is None:
-            reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
-            ratio = (budget.ratio, reference, self.token_cost(shape, dtype))
-        caps = []
-        for layer_idx in range(shape.num_layers):
-            scale = None
-            if self.schedule == "pyramid" and shape.num_layers > 1:
-                scale = 1 + self.pyramid_spread * (1 - 2 * layer_idx / (shape.num_layers - 1))
-            block = self.block_size if self.granularity == "block" else None
-            caps.append(LayerCap(budget.tokens, ratio, scale, self.protected_count(), block))
-        return caps
+        ref = reference_bytes_per_token(reference or shape, dtype)
+        own = self.token_cost(shape, dtype)
+        block = self.block_size if self.granularity == "block" else None
+        return [
+            LayerCap(LayerPromise(budget, self.layer_scale(i, shape.num_layers), ref), own, block, self.every - 1)
+            for i in range(shape.num_layers)
+        ]
 
     def layer_cap(self, shape, dtype, stack_budget, layer_idx: int, seen: int) -> int:
-        """Tokens per (row, KV head) layer ``layer_idx`` may keep after ``seen`` tokens (before the ``every`` slack)."""
+        """Tokens per (row, KV head) layer ``layer_idx`` may keep after ``seen`` tokens (nothing else held)."""
         return self.layer_caps(shape, dtype, stack_budget)[layer_idx](seen)
 
     def plan_memory(self, plan, stack_budget) -> None:
@@ -145,8 +153,7 @@ class EvictSpec(StageSpec, ScorerOptions):
             if self.phase == "prefill":  # compressed once at the prompt, then every decode token stays
                 cap = caps[idx](prompt) + plan.seq_len - prompt
             else:
-                cap = caps[idx](plan.seq_len)
-            cap += self.every - 1
+                cap = caps[idx](plan.seq_len) + self.every - 1
             excess = layer.tokens - cap
             for tier in reversed(layer.tiers):  # the oldest, lowest-precision tiers give way first
                 if excess <= 0:
@@ -160,28 +167,20 @@ class EvictSpec(StageSpec, ScorerOptions):
 
 
 class LayerCap:
-    """The cap of one layer as a function of the tokens seen: a fixed ``tokens`` budget, or the tokens whose bytes
-    stay within ``ratio = (r, reference bytes per token, own bytes per token)``; then the pyramid ``scale``, at least
-    the ``protected`` tokens, and whole blocks."""
+    """The cap of one layer: the tokens whose bytes (``own`` per token and row) fit in the layer's ``limit`` less what
+    the layer holds besides them, less the ``slack`` the ``every`` period adds; in whole blocks for block eviction.
+    It may be below the protected count: the budget wins."""
 
-    __slots__ = ("tokens", "ratio", "scale", "protected", "block")
+    __slots__ = ("limit", "own", "block", "slack")
 
-    def __init__(self, tokens, ratio, scale, protected, block):
-        self.tokens, self.ratio, self.scale, self.protected, self.block = tokens, ratio, scale, protected, block
+    def __init__(self, limit: LayerPromise, own: int, block: int | None, slack: int):
+        self.limit, self.own, self.block, self.slack = limit, own, block, slack
 
-    def __call__(self, seen: int) -> int:
-        base = self.tokens if self.ratio is None else ratio_tokens(self.ratio[0], seen, self.ratio[1], self.ratio[2])
-        if self.scale is not None:
-            base = int(base * self.scale)
-        cap = max(base, self.protected)
+    def __call__(self, seen: int, reserved: int = 0) -> int:
+        cap = max((self.limit.limit(seen) - reserved) // self.own - self.slack, 0)
         if self.block is not None:
-            cap = max(cap // self.block, 1) * self.block
+            cap = cap // self.block * self.block
         return cap
-
-
-def ratio_tokens(ratio: float, seen: int, reference_bytes_per_token: float, own_bytes_per_token: float) -> int:
-    """Tokens whose bytes stay within ``ratio`` of an uncompressed cache holding ``seen`` tokens."""
-    return int(math.floor(ratio * seen * reference_bytes_per_token / own_bytes_per_token + 1e-9))
 
 
 class EvictStage(Stage):
@@ -191,13 +190,17 @@ class EvictStage(Stage):
         super().__init__(spec, shape, stack_budget)
         self.scorer = get_scorer(spec.scorer)(spec, shape)
         self.recent = max(spec.recent, self.scorer.protected_recent())
-        self.caps = spec.layer_caps(shape, shape.dtype, stack_budget)
+        self._caps: dict[torch.dtype, list[LayerCap]] = {}
 
     def attention_request(self, layer, query_length):
         return self.scorer.request(layer, query_length)
 
     def budget_tokens(self, layer) -> int:
-        return self.caps[layer.layer_idx](layer.seen)
+        dtype = layer.full.keys.dtype
+        caps = self._caps.get(dtype)
+        if caps is None:  # once per dtype held (a model cast after apply holds another dtype)
+            caps = self._caps[dtype] = self.spec.layer_caps(self.shape, dtype, self.stack_budget, layer.reference)
+        return caps[layer.layer_idx](layer.seen, layer.reserved_bytes())
 
     def after_attention(self, layer, stats) -> None:
         self.scorer.observe(layer, stats)
@@ -210,9 +213,27 @@ class EvictStage(Stage):
             return
         if slack and int(layer.kept_counts().max()) <= cap + slack:  # padding slots: only count when it matters
             return
+        self.keep_best(layer, cap, stats)
+
+    def keep_best(self, layer, cap: int, stats) -> None:
         keep = self.select(layer, cap, stats)
         for tier, tier_keep in zip([t for t in layer.tiers if t.num_tokens], keep):
             layer.retain(tier, tier_keep)
+
+    def fit(self, layer, stats, limit: int) -> None:
+        """Keep fewer of the best tokens until the layer holds at most ``limit`` bytes (the stack's promise)."""
+        drop, before = 0, None
+        while layer.memory_bytes() > limit:
+            kept = int(layer.kept_counts().max())
+            if kept == 0 or kept == before:  # nothing left, or nothing more this stage can remove
+                return
+            before = kept
+            step = self.spec.block_size if self.spec.granularity == "block" else 1
+            per_token = max(t.bytes_per_token() for t in layer.tiers if t.num_tokens) * layer.full.keys.shape[0]
+            # the cheapest sufficient step first; doubling when freed slots did not free bytes (quantized groups)
+            drop = max(-(-(layer.memory_bytes() - limit) // int(per_token)), 2 * drop, 1)
+            cap = max(kept - drop, 0) // step * step
+            self.keep_best(layer, cap, stats)
 
     def select(self, layer, cap: int, stats) -> list[torch.Tensor]:
         """Keep masks, one per non-empty exact tier: the best ``cap`` tokens per (row, head) over all tiers."""

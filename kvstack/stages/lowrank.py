@@ -164,52 +164,54 @@ def random_feature_maps(
 
 
 class LowRankTier(StateTier):
-    """The state of one layer: ``H`` [B, Hkv, rank, d_v], ``z`` [B, Hkv, rank], ``c`` [B, Hkv] (float32, -inf
-    while empty). Allocated at the layer's first attention (which sees the batch size and device); the attention's
-    ``scaling`` recorded there is the one keys are folded with (attention always runs before compression)."""
+    """The state of one layer: ``H`` [B, Hkv, rank, d_v], ``z`` [B, Hkv, rank], ``c`` [B, Hkv] (float32, -inf for rows
+    nothing was folded into). Created by the first ``absorb`` (a layer that never evicts holds no state bytes, and a
+    budget decides when a state is affordable: kvstack/stack/budget.py); the attention's ``scaling`` recorded by
+    ``prepare`` is the one keys are folded with (attention always runs before compression)."""
 
     name = "state"
     _tensor_names = ("H", "z", "c")
 
-    def __init__(self, features, dtype: torch.dtype, value_dim: int) -> None:
+    def __init__(self, features, dtype: torch.dtype, value_dim: int, kv_heads: int) -> None:
         self.features = features
         self.dtype = dtype
         self.value_dim = value_dim
+        self.kv_heads = kv_heads
         self.H: torch.Tensor | None = None
         self.z: torch.Tensor | None = None
         self.c: torch.Tensor | None = None
         self.scaling: float | None = None
-        self.active = False  # holds folded tokens (set by prepare, once per forward)
 
     def _state(self) -> LowRankState:
         return LowRankState(self.H, self.z, self.c)
 
+    def row_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return self.kv_heads * (self.features.rank * (self.value_dim + 1) * item + OFFSET_BYTES)
+
     def prepare(self, query, scaling) -> None:
-        """Allocate at the first attention (it sees the batch and device); record the scaling keys fold with."""
         self.scaling = scaling
-        if self.H is None:
-            batch, heads = query.shape[:2]
-            st = empty_state(batch, heads, self.features.rank, self.value_dim, device=query.device, dtype=self.dtype)
-            self.H, self.z, self.c = st.H, st.z, st.c
-        self.active = not bool(torch.isneginf(self.c).all())  # one host sync per forward
 
     def readout(self, query, scaling):
-        if self.H is None or not self.active:
+        if self.H is None:
             return None
         return readout(self._state(), self.features.log_query(query, scaling))
 
     def kernel_data(self, query, scaling):
-        if self.H is None or not self.active:
+        if self.H is None:
             return None
         return StateData(self._state(), self.features.log_query(query, scaling))
 
     def absorb(self, keys, values, valid) -> None:
-        if self.scaling is None or self.H is None:
+        if self.scaling is None:
             raise CacheUsageError("low-rank state: tokens were folded before the layer's first attention ran")
+        if self.H is None:
+            batch, heads = keys.shape[:2]
+            st = empty_state(batch, heads, self.features.rank, self.value_dim, device=keys.device, dtype=self.dtype)
+            self.H, self.z, self.c = st.H, st.z, st.c
         log_psi = self.features.log_key(keys, self.scaling)
         st = fold(self._state(), log_psi, values, valid)
         self.H, self.z, self.c = st.H, st.z, st.c
-        self.active = True
 
 
 class LowRankStage(Stage):
@@ -228,4 +230,5 @@ class LowRankStage(Stage):
                 f"layer {layer.layer_idx} already has a state tier ({type(layer.state).__name__}); a stack holds at "
                 "most one state stage (one `kind: lowrank`)"
             )
-        layer.state = LowRankTier(self.maps[layer.layer_idx], self.dtype, self.shape.value_dim)
+        layer.state = LowRankTier(self.maps[layer.layer_idx], self.dtype, self.shape.value_dim,
+                                  self.shape.num_kv_heads)

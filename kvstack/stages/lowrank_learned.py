@@ -234,23 +234,13 @@ def merged_attention(q, k, v, scaling, kept, evicted, log_q=None, log_k=None):
 
 
 def recency_caps(spec, shape, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Tokens kept at each query position under the spec's ``evict`` stage, and its n_sink."""
-    from kvstack.stages.evict import ratio_tokens
-
+    """Tokens kept at each query position under the spec's ``evict`` stage (its layer-0 cap), and its n_sink."""
     evicts = [s for s in spec.stages if s.kind == "evict"]
     if not evicts:
         raise SpecError("calibrate: the preset has no `kind: evict` stage, so no token would ever be folded")
     ev = evicts[0]
-    budget = ev.effective_budget(spec.budget)
-    floor = ev.n_sink + ev.recent
-    if budget.tokens is not None:
-        caps = torch.full_like(positions, max(budget.tokens, floor))
-    else:
-        item = torch.empty((), dtype=shape.dtype).element_size()
-        reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * item
-        own = reference + 4  # full tier: one int32 position per token
-        caps = torch.tensor([max(ratio_tokens(budget.ratio, int(p) + 1, reference, own), floor) for p in positions])
-    return caps, ev.n_sink
+    cap = ev.layer_caps(shape, shape.dtype, spec.budget)[0]
+    return torch.tensor([cap(int(p) + 1) for p in positions.tolist()], dtype=positions.dtype), ev.n_sink
 
 
 def calibrate(

@@ -1,4 +1,4 @@
-"""``kind: quantize`` — KIVI: bit-packed asymmetric 2/4/8-bit KV cache with a full-precision residual window.
+"""``kind: quantize`` — KIVI: bit-packed asymmetric 2/3/4/8-bit KV cache with a full-precision residual window.
 
 Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024 (arXiv 2402.02750).
 Min-max quantization per group (``kvstack/kernels/quant_pack.py``: ``s = (max - min) / (2^b - 1)``, codes packed
@@ -6,9 +6,13 @@ Min-max quantization per group (``kvstack/kernels/quant_pack.py``: ``s = (max - 
 ``group_size`` tokens of one channel: key outliers live in fixed channels), values per token (a group spans
 ``value_group_size`` channels of one token). Keys are quantized after RoPE (the cache receives post-RoPE keys).
 
-Parameters: ``bits`` (2, 4, 8; 16 = no quantization, the identity), ``group_size`` (tokens per key group),
-``value_group_size`` (channels per value group; default ``group_size``; ``head_dim``: one group per token and head),
-``residual`` (newest tokens kept in full precision, a multiple of ``group_size``).
+Parameters: ``bits`` (2, 3, 4, 8; 16 = no quantization, the identity; 3 bits pack 8 codes in 3 bytes, so group
+sizes are multiples of 8), ``group_size`` (tokens per key group), ``value_group_size`` (channels per value group;
+default ``group_size``; ``head_dim``: one group per token and head), ``residual`` (newest tokens kept in full
+precision, a multiple of ``group_size``), and the precision options of :class:`QuantOptions`
+(``kvstack/stages/_quant_options.py``): ``rotate`` (Hadamard / random orthogonal rotation along head_dim),
+``key_rope: pre`` (pre-RoPE keys), ``codebook: nf`` (normal-float levels) and ``scale_dtype`` (cheaper scales and
+zero points).
 
 Flow inside the stack: new tokens arrive in the full tier; after each attention the stage moves the oldest
 full-precision tokens beyond ``residual`` into its :class:`QuantizedTier`, ``group_size`` at a time, so the full tier
@@ -24,8 +28,8 @@ and move exactly. A key group loses only the removed tokens' slots, which become
 a group with no token left is dropped. When the holes of a (row, head) reach ``group_size`` — one group's worth of
 wasted bytes — the tokens of the groups with holes are dequantized and re-quantized together into as few groups as
 possible (groups without holes keep their codes). That re-quantization adds at most half of the new group's scale
-to those keys' error. So every (row, head) holds ``group_size * ceil(kept / group_size)`` slots, which
-``plan_memory`` counts exactly.
+to those keys' error. So every (row, head) holds at most ``group_size * ceil((kept + group_size - 1) / group_size)``
+slots (fewer than ``group_size`` holes), which ``plan_memory`` counts when an earlier stage removes tokens.
 """
 
 from __future__ import annotations
@@ -36,13 +40,20 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kvstack.kernels.quant_pack import PACK_FACTOR, QuantizedGroups, dequantize, quantize
+from kvstack.kernels.quant_pack import PACK_FACTOR, PACK_UNIT, QuantizedGroups, dequantize, packed_length, quantize
 from kvstack.kernels.tiered_attention import QuantTierData
 from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import KVStackError
 from kvstack.stack.memory import POSITION_BYTES, TierPlan, _itemsize
 from kvstack.stack.registry import register_stage
 from kvstack.stack.tiers import EMPTY, ExactTier, gather_records, gather_tokens, take_channels, widen_channels
+
+from ._quant_options import QuantOptions, TierCodec
+
+__all__ = [
+    "QuantOptions", "QuantizationError", "QuantizeSpec", "QuantizedTier", "TierCodec", "check_quant_params",
+    "check_quant_shape", "quantized_slot_bytes", "quantized_token_bytes",
+]
 
 QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,13 +62,19 @@ class QuantizationError(KVStackError, ValueError):
     """A tensor could not be quantized (NaN/Inf in the keys or values, or a range beyond float32)."""
 
 
+def _packing(bits: int) -> tuple[int, str]:
+    """(codes per packing unit, how they are packed): group sizes must be multiples of the former."""
+    codes, nbytes = PACK_UNIT[bits]
+    return codes, f"{codes} codes per byte" if nbytes == 1 else f"{codes} codes packed in {nbytes} bytes"
+
+
 def check_quant_params(bits: int, group_size: int, value_group, residual: int | None) -> None:
     """Shape-independent checks shared by ``quantize`` and ``quantized_prune``."""
-    pf = PACK_FACTOR[bits]
+    pf, how = _packing(bits)
     if group_size % pf:
-        raise spec_error("group_size", group_size, f"a multiple of {pf} for bits={bits} ({pf} codes per byte)")
+        raise spec_error("group_size", group_size, f"a multiple of {pf} for bits={bits} ({how})")
     if isinstance(value_group, int) and value_group % pf:
-        raise spec_error("value_group_size", value_group, f"a multiple of {pf} for bits={bits} ({pf} codes per byte)")
+        raise spec_error("value_group_size", value_group, f"a multiple of {pf} for bits={bits} ({how})")
     if residual is not None and residual % group_size:
         raise spec_error(
             "residual", residual, f"a multiple of group_size={group_size} (keys leave the residual a group at a time)"
@@ -74,17 +91,28 @@ def check_quant_shape(shape, bits: int, value_group) -> None:
         raise spec_error(
             "value_group_size", vg, f"a divisor of the model's head_dim={shape.value_dim} (value groups span channels)"
         )
-    if vg % PACK_FACTOR[bits]:
-        raise spec_error("value_group_size", vg, f"a multiple of {PACK_FACTOR[bits]} for bits={bits}")
+    pf, how = _packing(bits)
+    if vg % pf:
+        raise spec_error("value_group_size", vg, f"a multiple of {pf} for bits={bits} ({how})")
 
 
 def quantized_slot_bytes(
-    shape, dtype, bits: int, group_size: int, value_group: int, extra_per_slot: int, key_dim: int | None = None
+    shape,
+    dtype,
+    bits: int,
+    group_size: int,
+    value_group: int,
+    extra_per_slot: int,
+    key_dim: int | None = None,
+    *,
+    scale_dtype: torch.dtype | None = None,
 ):
     """Cost of ``n`` tokens in a quantized tier per batch row (all KV heads): ``group_size * ceil(n / group_size)``
     slots of codes + per-group scale and zero (keys) + per-token scale and zero (values) + ``extra_per_slot``
-    (positions and per-token records). ``key_dim``: key channels stored (default all)."""
-    e = _itemsize(dtype)
+    (positions and per-token records). ``key_dim``: key channels stored (default all); ``scale_dtype``: the format
+    of scales and zero points (default ``dtype``). Constant per-layer tensors (``QuantOptions.fixed_bytes``) are not
+    included."""
+    e = _itemsize(scale_dtype or dtype)
     h, dk, dv = shape.num_kv_heads, shape.head_dim if key_dim is None else key_dim, shape.value_dim
 
     def cost(n: int) -> int:
@@ -94,6 +122,17 @@ def quantized_slot_bytes(
         return h * (keys + values) + slots * extra_per_slot
 
     return cost
+
+
+def quantized_token_bytes(
+    shape, dtype, bits: int, group_size: int, value_group: int, extra_per_token: float = 0.0, *,
+    scale_dtype: torch.dtype | None = None, key_dim: int | None = None,
+) -> float:
+    """Amortised bytes of one token in a quantized tier per batch row (all KV heads): codes, its share of the key
+    groups' scale and zero, its values' scales and zeros, and ``extra_per_token`` (positions, records)."""
+    e = _itemsize(scale_dtype or dtype)
+    h, dk, dv = shape.num_kv_heads, shape.head_dim if key_dim is None else key_dim, shape.value_dim
+    return h * ((dk + dv) * bits / 8 + 2 * e * (dk / group_size + dv / value_group)) + extra_per_token
 
 
 class QuantizedTier(ExactTier):
@@ -107,43 +146,69 @@ class QuantizedTier(ExactTier):
     Key channel pruning (``kind: channel_prune`` with this tier in the layer): ``key_index`` [B, Hkv, Dk'] lists the
     key channels kept; ``Dk`` above is then ``Dk'``. Keys are grouped per channel, so dropping channels drops whole
     columns of codes, scales and zero points: exact, nothing is re-quantized.
+
+    ``codec`` (:class:`TierCodec`): the precision options. 3-bit codes pack 8 per 3 bytes (``T / pf`` above is then
+    ``3 T / 8``); scales and zero points are in ``codec.scale_dtype`` when set; with a rotation or pre-RoPE keys
+    the codes hold the transformed keys/values (quantized from float32), the tier rotates the query in
+    ``attention_query``, re-applies RoPE / un-rotates in ``attention_block`` and ``gather``, and a ``random``
+    rotation's matrix is held (and counted) with the tier. Such tiers leave the fused kernel (``kernel_data`` None).
     """
 
     _tensor_names = (
         "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "positions", "key_index"
     )
 
-    def __init__(self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str):
+    def __init__(
+        self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str,
+        codec: TierCodec | None = None,
+    ):
         self.name = name
         self.bits = bits
         self.group_size = group_size
         self.value_group = value_group
         self.dtype = dtype
         self.label = label
+        self.codec = codec or TierCodec()
         self.token_data = {}
         self.head_dim: int | None = None  # full key width, once key channels are pruned
         for n in self._tensor_names:
             setattr(self, n, None)
 
     # ----------------------------------------------------------------------------------- packed views
+    def _data_dtype(self, axis: str) -> torch.dtype:
+        """What the codes were quantized from: float32 for transformed keys/values, else the model dtype."""
+        transformed = self.codec.keys_transformed if axis == "token" else self.codec.values_transformed
+        return torch.float32 if transformed else self.dtype
+
     def key_groups(self) -> QuantizedGroups:
         b, h, _, d = self.key_codes.shape
         shape = (b, h, self.num_tokens, d)
         q = (self.key_codes, self.key_scale, self.key_zero)
-        return QuantizedGroups(*q, self.bits, self.group_size, "token", shape)
+        return QuantizedGroups(
+            *q, self.bits, self.group_size, "token", shape, self.codec.levels, self._data_dtype("token")
+        )
 
     def value_groups(self) -> QuantizedGroups:
         b, h, t, packed = self.value_codes.shape
-        shape = (b, h, t, packed * PACK_FACTOR[self.bits])
+        codes, nbytes = PACK_UNIT[self.bits]
+        shape = (b, h, t, packed * codes // nbytes)
         return QuantizedGroups(
-            self.value_codes, self.value_scale, self.value_zero, self.bits, self.value_group, "channel", shape
+            self.value_codes, self.value_scale, self.value_zero, self.bits, self.value_group, "channel", shape,
+            self.codec.levels, self._data_dtype("channel"),
         )
 
     def _quantize(self, x: torch.Tensor, group: int, axis: str, what: str) -> QuantizedGroups:
+        data = self._data_dtype(axis)
+        scale_dtype = self.codec.scale_dtype or (self.dtype if data != self.dtype else None)
         try:
-            return quantize(x.to(self.dtype).contiguous(), self.bits, group, axis)
+            return quantize(
+                x.to(data).contiguous(), self.bits, group, axis, levels=self.codec.levels, scale_dtype=scale_dtype
+            )
         except ValueError as err:
             raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None
+
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + sum(t.nbytes for t in self.codec.fixed_tensors().values())
 
     # ------------------------------------------------------------------------------- attention side
     @property
@@ -151,37 +216,48 @@ class QuantizedTier(ExactTier):
         return self.group_size
 
     def attention_query(self, query):
-        return take_channels(query, self.key_index)
+        return take_channels(self.codec.attention_query(query), self.key_index)
 
     def attention_block(self, start, stop, dtype):
         # temporaries of one key block: whole key groups, so codes, scales and zero points slice exactly
         keys = dequantize(self.key_groups().slice_tokens(start, stop), dtype)
         values = dequantize(self.value_groups().slice_tokens(start, stop), dtype)
-        return keys, values
+        if self.codec.keys_transformed:
+            keys = self.codec.attention_keys(keys, self.positions[..., start:stop])
+        return keys, self.codec.values(values)
 
     def kernel_data(self):
         if self.key_index is not None:  # the fused kernel reads every key channel
+            return None
+        if not self.codec.plain or self.bits not in PACK_FACTOR:  # it reads uniform 2/4/8-bit codes, model scales
             return None
         return QuantTierData(self.key_groups(), self.value_groups(), self.positions)
 
     def gather(self, index):
         keys, values = dequantize(self.key_groups()), dequantize(self.value_groups())
+        if self.codec.keys_transformed:
+            keys = self.codec.keys(keys, self.positions).to(self.dtype)
+        if self.codec.values_transformed:
+            values = self.codec.values(values).to(self.dtype)
         keys = widen_channels(gather_tokens(keys, index), self.key_index, self.head_dim)
         return keys, gather_tokens(values, index)
 
     def keep_key_channels(self, index, head_dim) -> bool:
+        if self.codec.keys_transformed:  # channels of the model's basis are mixed in the stored keys
+            return False
         if self.key_index is not None:
             raise KVStackError(f"{self.label}: key channels are already pruned")
         if self.key_codes is not None:  # per-channel groups: whole columns of codes, scales and zeros go
             self.key_codes = take_channels(self.key_codes, index).contiguous()
-            self.key_scale = take_channels(self.key_scale, index).contiguous()
-            self.key_zero = take_channels(self.key_zero, index).contiguous()
+            self.key_scale = _bytewise(take_channels, self.key_scale, index).contiguous()
+            self.key_zero = _bytewise(take_channels, self.key_zero, index).contiguous()
         self.key_index, self.head_dim = index, head_dim
         return True
 
     def bytes_per_token(self) -> float:
         h, dk = self.key_codes.shape[1], self.key_codes.shape[-1]
-        dv = self.value_codes.shape[-1] * PACK_FACTOR[self.bits]
+        codes_per_unit, unit_bytes = PACK_UNIT[self.bits]
+        dv = self.value_codes.shape[-1] * codes_per_unit // unit_bytes
         e = self.key_scale.element_size()
         codes = h * (dk + dv) * self.bits / 8
         scales = h * 2 * e * (dk / self.group_size + dv / self.value_group)
@@ -191,8 +267,11 @@ class QuantizedTier(ExactTier):
     # ---------------------------------------------------------------------------------- storage side
     def append(self, keys, values, positions, records=None) -> None:
         records = dict(records or {})
-        # real tokens first in every (row, head), so they fill whole groups; empty slots repeat a real token's key
-        # and value so they never widen a group's range
+        # into the stored domain first (pre-RoPE keys need each token's own position), then real tokens first in every
+        # (row, head), so they fill whole groups; empty slots repeat a real token's key and value so they never
+        # widen a group's range
+        keys = self.codec.store_keys(keys, positions)
+        values = self.codec.store_values(values)
         valid = positions >= 0
         order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)
         last = (valid.sum(-1, keepdim=True) - 1).clamp_min(0)
@@ -275,12 +354,12 @@ class QuantizedTier(ExactTier):
         group_src = src[..., ::g] // g  # [B, W, T_new / G]
         qk = self.key_groups()
         h, d = qk.packed.shape[1], qk.packed.shape[-1]
-        per = g // PACK_FACTOR[self.bits]
+        per = packed_length(g, self.bits)  # bytes of one key group along the token axis
         gs = group_src.expand(-1, h, -1)
         codes = qk.packed.reshape(b, h, -1, per, d).gather(2, gs[..., None, None].expand(-1, -1, -1, per, d))
         codes = codes.reshape(b, h, -1, d)
-        scale = qk.scale.gather(2, gs[..., None].expand(-1, -1, -1, d))
-        zero = qk.zero.gather(2, gs[..., None].expand(-1, -1, -1, d))
+        scale = _bytewise(torch.gather, qk.scale, 2, gs[..., None].expand(-1, -1, -1, d))
+        zero = _bytewise(torch.gather, qk.zero, 2, gs[..., None].expand(-1, -1, -1, d))
         if merge and bool(n_merged.any()):
             last = src.gather(-1, (n_whole + n_merged - 1).clamp(0, max(t_new - 1, 0)))
             key_src = torch.where(in_merged | in_whole, src, last)  # holes repeat a merged key (no wider range)
@@ -292,11 +371,19 @@ class QuantizedTier(ExactTier):
         self.key_codes, self.key_scale, self.key_zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
 
         self.value_codes = gather_tokens(self.value_codes, src)
-        self.value_scale = gather_tokens(self.value_scale, src)
-        self.value_zero = gather_tokens(self.value_zero, src)
+        self.value_scale = _bytewise(gather_tokens, self.value_scale, src)
+        self.value_zero = _bytewise(gather_tokens, self.value_zero, src)
         kept_pos = self.positions.expand(-1, width, -1).gather(-1, src)
         self.positions = torch.where(new_valid, kept_pos, torch.full_like(kept_pos, EMPTY))
         self.token_data = {k: gather_records(v, src) for k, v in self.token_data.items()}
+
+
+def _bytewise(fn, t: torch.Tensor, *args):
+    """``fn(t, *args)`` for an index op (gather); float8 tensors move as their bytes (torch has no float8 gather on
+    the CPU)."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return fn(t.view(torch.uint8), *args).view(t.dtype)
+    return fn(t, *args)
 
 
 def value_group_for(value_group, group_size: int, shape) -> int:
@@ -306,11 +393,15 @@ def value_group_for(value_group, group_size: int, shape) -> int:
 
 
 @register_stage
-class QuantizeSpec(StageSpec):
+class QuantizeSpec(StageSpec, QuantOptions):
     """KIVI: quantize all but the newest ``residual`` tokens to ``bits`` with real bit-packing."""
 
     kind: Literal["quantize"] = "quantize"
-    bits: Literal[2, 4, 8, 16] = Field(default=2, description="Bits per key/value element (16: no quantization).")
+    bits: Literal[2, 3, 4, 8, 16] = Field(
+        default=2,
+        description="Bits per key/value element (16: no quantization; 3: 8 codes in 3 bytes, group sizes multiples "
+        "of 8).",
+    )
     group_size: int = Field(default=32, ge=1, description="Tokens per key group (keys are grouped per channel).")
     value_group_size: int | Literal["head_dim"] | None = Field(
         default=None,
@@ -321,21 +412,31 @@ class QuantizeSpec(StageSpec):
         default=32, ge=0, description="Newest tokens kept in full precision (a multiple of group_size)."
     )
 
+    def inactive_options(self) -> set[str]:
+        return self.quant_option_fields_inactive([self.bits])
+
     def validate_with(self, stack_budget) -> None:
         if isinstance(self.value_group_size, int) and self.value_group_size < 1:
             raise spec_error("value_group_size", self.value_group_size, "a positive int or 'head_dim'")
         if self.bits != 16:
             check_quant_params(self.bits, self.group_size, self.value_group_size, self.residual)
+            self.check_quant_options([self.bits])
+
+    def validate_in_stack(self, position, stages) -> None:
+        if self.bits != 16:
+            self.check_quant_options_in_stack(stages)
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
         if self.bits != 16:
             check_quant_shape(shape, self.bits, value_group_for(self.value_group_size, self.group_size, shape))
+            self.check_quant_options_for(shape, [self.bits])
 
     def plan_memory(self, plan, stack_budget) -> None:
         if self.bits == 16:
             return
         shape, g, r = plan.shape, self.group_size, self.residual
+        sdt = self.scale_torch_dtype()
         kv_bytes = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(plan.dtype)
         for layer, window in zip(plan.layers, shape.layer_windows):
             full = layer.tier("full")
@@ -343,18 +444,25 @@ class QuantizeSpec(StageSpec):
             vg = value_group_for(self.value_group_size, g, shape)
 
             def cost_without(dropped: int, extra=extra, vg=vg):
-                return quantized_slot_bytes(shape, plan.dtype, self.bits, g, vg, extra, shape.head_dim - dropped)
+                return quantized_slot_bytes(
+                    shape, plan.dtype, self.bits, g, vg, extra, shape.head_dim - dropped, scale_dtype=sdt
+                )
 
             cost = cost_without(0)
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
                 residual = kivi_residual(plan.seq_len, plan.prefill_len, r, g, window)
-            else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens
+            else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens,
+                # and the quantized tier may hold up to g - 1 holes (one more group) before it merges them
                 c = full.tokens
+                cost = lambda n, exact=cost: exact(n + g - 1) if n else 0  # noqa: E731
                 residual = max(range(min(c, r + g - 1) + 1), key=lambda x: full.bytes_for(x) + cost(c - x))
             quantized = full.tokens - residual
             full.tokens = residual
-            layer.tiers.append(TierPlan("quantized", quantized, cost, cost_without))
+            # a tier with transformed keys keeps every key channel (keep_key_channels refuses)
+            narrowable = None if self.rotate != "none" or self.key_rope == "pre" else cost_without
+            layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
+            layer.fixed_bytes += self.fixed_bytes(shape)
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
         return None if self.bits == 16 else QuantizeStage(self, shape, stack_budget)
@@ -383,6 +491,7 @@ class QuantizeStage(Stage):
         tier = QuantizedTier(
             self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype,
             label=f"layer {layer.layer_idx}, quantize", name="quantized",
+            codec=self.spec.codec(self.shape, layer.layer_idx),
         )
         layer.tiers.append(tier)
         layer.scratch[self.key] = tier

@@ -14,15 +14,15 @@ Two forms:
 * ``bits`` with a budget: tokens that eviction to that budget would keep stay in full precision, the tokens it would
   drop are demoted to ``bits`` instead (nothing is evicted).
 
-Ratio budgets (``budget: {ratio: r}``) are met by choosing ``N``: with ``c_ref`` the bytes of one uncompressed token
-(all KV heads, model dtype), ``c_i`` the amortised bytes per token of tier ``i`` (codes, scales and zero points per
-token, positions and scorer records) and ``f_i`` its share of ``N``,
-
-    N = floor(r * seen * c_ref / sum_i f_i c_i)
-
-so lower bits buy proportionally more tokens. (For the ``bits`` form, ``N`` is the 16-bit count eviction would keep:
-``floor(r * seen * c_ref / c_16)``.) Each quantized tier can exceed its amortised share by less than one key group
-(``group_size`` slots), and the full tier by ``every - 1`` new tokens; ``plan_memory`` counts both.
+Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
+quantized level in whole key groups (``group_size`` slots: codes, scales, zero points, positions, records), the
+16-bit level per token — fit in the layer's limit (``r * seen`` uncompressed tokens for ``ratio: r``, ``n`` for
+``tokens: n``, of which ``N`` is also at most ``n``) less the state and less the ``every - 1`` tokens that arrive in
+full precision before the next assignment (their cost less the budget's growth meanwhile, at most a quarter of the
+limit: a layer over its limit before the period ends is re-assigned then). Lower bits buy
+proportionally more tokens. (For the ``bits`` form, ``N`` is the 16-bit count eviction would keep and every other token
+is demoted, so memory grows with the tokens seen: its budget is a selection rule, not a promise — set it on the stage;
+a stack budget over it alone is refused by ``kvstack.apply``.)
 
 Each forward of the prompt, and every ``every`` decode steps (default ``group_size``, so demotions move whole key
 groups), the scorer ranks every token of the full tier and of this stage's quantized tiers (protected sinks and
@@ -40,6 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
+from kvstack.stack.budget import reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -88,6 +89,11 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
 
     def inactive_options(self) -> set[str]:
         return self.scorer_inactive_options()
+
+    def keeps_budget(self) -> bool:
+        """The ``tiers`` form sizes its levels to the budget in bytes; the ``bits`` short form keeps every token
+        (its budget only says which stay at 16 bits), so it cannot promise memory."""
+        return self.tiers is not None
 
     # ------------------------------------------------------------------------------------ validation
     def effective_budget(self, stack_budget: Budget | None) -> Budget | None:
@@ -159,25 +165,28 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
                 costs.append(h * ((dk + dv) * b / 8 + 2 * e * (dk / self.group_size + dv / vg)) + extra)
         return costs
 
-    def level_split(self, shape, dtype, stack_budget) -> "LevelSplit":
-        """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once)."""
+    def level_split(self, shape, dtype, stack_budget, reference=None) -> "LevelSplit":
+        """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once per
+        cache and dtype; ``reference``: the shape the budget is against, default ``shape``)."""
         budget = self.effective_budget(stack_budget)
-        ratio = None
-        if budget is not None and budget.tokens is None:
-            reference = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
-            costs = self.level_costs(shape, dtype)
-            if self.tiers is None:  # short form: what eviction would keep at 16 bits
-                per_token = costs[0]
-            else:
-                per_token = sum(s * c for s, c in zip(self.shares(), costs))
-            ratio = (budget.ratio, reference, per_token)
         cumulative, acc = [], 0.0
         for level in self.levels():
             acc += level.fraction or 0.0
             cumulative.append(None if level.rest else acc)
+        vg = value_group_for(self.value_group_size, self.group_size, shape)
+        extra = self.per_token_extra(shape)
+        full = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype) + extra
+        costs = []
+        for level in self.levels()[: 1 if self.tiers is None else None]:  # short form: the 16-bit count is sized
+            if level.bits == 16:
+                costs.append(lambda n, c=full: n * c)
+            else:  # whole key groups, and the holes of up to one more before the tier merges them
+                slots = quantized_slot_bytes(shape, dtype, level.bits, self.group_size, vg, extra)
+                costs.append(lambda n, f=slots, g=self.group_size: f(n + g - 1) if n else 0)
+        slack = self.period - 1 if self.keeps_budget() else 0  # the short form's budget is a selection rule
         return LevelSplit(
-            budget is not None, None if budget is None else budget.tokens, ratio, self.protected_count(),
-            None if self.tiers is None else cumulative,
+            budget, reference_bytes_per_token(reference or shape, dtype), costs, full, slack,
+            cumulative if self.tiers is not None else None,
         )
 
     def shares(self) -> list[float]:
@@ -186,7 +195,8 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
 
     def level_counts(self, shape, dtype, stack_budget, seen: int, held: int) -> list[int]:
         """Tokens per level (per row and KV head); tokens beyond their sum are evicted."""
-        bounds = self.level_split(shape, dtype, stack_budget).bounds(seen, torch.tensor([held]))[0].tolist()
+        split = self.level_split(shape, dtype, stack_budget)
+        bounds = split.bounds(split.cap(seen), torch.tensor([held]))[0].tolist()
         return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
     def plan_memory(self, plan, stack_budget) -> None:
@@ -213,26 +223,56 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
 
 
 class LevelSplit:
-    """Level bounds of one stage: with ``N`` the kept count (the budget's ``tokens``, or the tokens whose amortised
-    bytes stay within ``ratio = (r, reference bytes per token, mean bytes per kept token)`` of the full cache; at
-    least the ``protected`` tokens, at most those held), level i takes ranks ``[bound_{i-1}, bound_i)`` with
-    ``bound_i = floor(cumulative_i * N)`` (``None``: the rest, ``N``). The short form (``cumulative`` None) keeps
-    ``N`` at 16 bits and demotes the rest of the held tokens."""
+    """Level bounds of one stage. ``cap(seen, reserved)`` is the kept count ``N``: without a budget every held token;
+    with one, the largest ``N`` whose levels cost (``costs[i](count_i)`` bytes per row) at most the layer's limit
+    (``budget`` against ``reference`` bytes per uncompressed token) less ``reserved`` bytes and the ``slack`` tokens
+    that arrive at ``full`` bytes each before the next assignment (less the budget's growth meanwhile), and at most
+    ``tokens``. Level i takes ranks ``[bound_{i-1}, bound_i)`` with ``bound_i = floor(cumulative_i * N)`` (``None``:
+    the rest, ``N``). The short form (``cumulative`` None) keeps ``N`` at 16 bits and demotes the rest."""
 
-    def __init__(self, has_budget: bool, tokens, ratio, protected: int, cumulative):
-        self.has_budget, self.tokens, self.ratio = has_budget, tokens, ratio
-        self.protected, self.cumulative = protected, cumulative
+    def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative):
+        self.budget, self.reference, self.costs = budget, reference, costs
+        self.full, self.slack, self.cumulative = full, slack, cumulative
+        self._cache: dict[tuple[int, int], int] = {}
 
-    def bounds(self, seen: int, held: torch.Tensor) -> torch.Tensor:
+    def counts(self, n: int) -> list[int]:
+        if self.cumulative is None:
+            return [n]
+        bounds = [n if c is None else min(n, math.floor(n * c + 1e-9)) for c in self.cumulative]
+        return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+
+    def cost(self, n: int) -> int:
+        return sum(cost(count) for cost, count in zip(self.costs, self.counts(n)))
+
+    def cap(self, seen: int, reserved: int = 0) -> int | None:
+        """The kept count N after ``seen`` tokens (None without a budget: keep every held token)."""
+        if self.budget is None:
+            return None
+        key = (seen, reserved)
+        if key not in self._cache:
+            limit = self.budget.limit_bytes(seen, self.reference) - reserved
+            growth = 0 if self.budget.ratio is None else self.budget.ratio * self.reference
+            # room for the tokens that arrive before the next assignment (at most a quarter of the limit: beyond
+            # that the stage re-assigns early, when the layer is over its limit)
+            limit -= min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
+            top = None if self.budget.tokens is None else self.budget.tokens + 1
+            lo, hi = 0, 1
+            while self.cost(hi) <= limit and (top is None or hi < top):  # cost is monotone in n
+                lo, hi = hi, 2 * hi
+            if top is not None:
+                hi = min(hi, top)
+            while hi - lo > 1:  # the largest n that fits
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.cost(mid) <= limit else (lo, mid)
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = lo
+        return self._cache[key]
+
+    def bounds(self, cap: int | None, held: torch.Tensor) -> torch.Tensor:
         """held [...] tokens per (row, head) -> cumulative level bounds [..., L] (int64, no host sync)."""
         held = held.long()
-        n = held
-        if self.has_budget:
-            cap = self.tokens
-            if cap is None:
-                r, reference, per_token = self.ratio
-                cap = int(math.floor(r * seen * reference / per_token + 1e-9))
-            n = held.clamp_max(max(cap, self.protected))
+        n = held if cap is None else held.clamp_max(cap)
         if self.cumulative is None:
             return torch.stack([n, held], -1)
         columns = [n if c is None else torch.minimum(n, (n.double() * c + 1e-9).floor().long()) for c in self.cumulative]
@@ -248,7 +288,13 @@ class QuantizedPruneStage(Stage):
         self.recent = max(spec.recent, self.scorer.protected_recent())
         self.value_group = value_group_for(spec.value_group_size, spec.group_size, shape)
         self.key = f"quantized_prune:{id(self)}"
-        self.split = spec.level_split(shape, shape.dtype, stack_budget)
+        self._splits: dict[torch.dtype, LevelSplit] = {}
+
+    def split_for(self, layer) -> LevelSplit:
+        dtype = layer.full.keys.dtype
+        if dtype not in self._splits:  # once per dtype held (a model cast after apply holds another dtype)
+            self._splits[dtype] = self.spec.level_split(self.shape, dtype, self.stack_budget, layer.reference)
+        return self._splits[dtype]
 
     def init_layer(self, layer) -> None:
         tiers = []
@@ -271,7 +317,25 @@ class QuantizedPruneStage(Stage):
         self.scorer.observe(layer, stats)
         prompt = stats.num_queries > 1 or layer.seen == stats.num_queries
         if not prompt and layer.seen % self.spec.period:
-            return
+            limit = layer.limit_bytes()
+            if limit is None or layer.memory_bytes() <= limit:  # tensor shapes: no host sync
+                return
+        self.reassign(layer, stats, self.split_for(layer).cap(layer.seen, layer.reserved_bytes()))
+
+    def fit(self, layer, stats, limit: int) -> None:
+        """Keep fewer tokens (the lowest-ranked leave) until the layer holds at most ``limit`` bytes."""
+        drop, before = 0, None
+        while layer.memory_bytes() > limit:
+            kept = int(layer.kept_counts().max())
+            if kept == 0 or kept == before:  # nothing left, or nothing more this stage can remove
+                return
+            before = kept
+            per_token = max(t.bytes_per_token() for t in layer.tiers if t.num_tokens) * layer.full.keys.shape[0]
+            drop = max(-(-(layer.memory_bytes() - limit) // int(per_token)), 2 * drop, 1)
+            self.reassign(layer, stats, max(kept - drop, 0))
+
+    def reassign(self, layer, stats, cap: int | None) -> None:
+        """Rank every token of this stage's tiers and move each to its level for a kept count ``cap``."""
         levels: list = layer.scratch[self.key]
         own = list(dict.fromkeys(levels))  # full tier once even when no level is 16-bit
         if layer.full not in own:
@@ -279,7 +343,7 @@ class QuantizedPruneStage(Stage):
         tiers = [(layer.tiers.index(t), t) for t in own if t.num_tokens]
         if not tiers:
             return
-        target = self.assign(layer, tiers, stats)
+        target = self.assign(layer, tiers, stats, cap)
         for (_, tier), level in zip(tiers, target):
             tier.token_data[LEVEL_RECORD] = level
         evicted = len(levels)
@@ -295,7 +359,7 @@ class QuantizedPruneStage(Stage):
         if layer.full.num_tokens:  # moves made per head leave empty slots in rows that received fewer tokens
             layer.retain(layer.full, layer.full.valid(), absorb=False)
 
-    def assign(self, layer, tiers, stats) -> list[torch.Tensor]:
+    def assign(self, layer, tiers, stats, cap: int | None) -> list[torch.Tensor]:
         """Target level of every slot of each tier ([B, W, T_i] int; ``len(levels)`` = evict)."""
         _, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats, tiers)
         protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
@@ -305,7 +369,7 @@ class QuantizedPruneStage(Stage):
         rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
         )
-        bounds = self.split.bounds(layer.seen, valid.sum(-1))  # [B, W, L]
+        bounds = self.split_for(layer).bounds(cap, valid.sum(-1))  # [B, W, L]
         level = (rank[..., None] >= bounds[..., None, :]).sum(-1)
         level = torch.where(valid, level, torch.full_like(level, bounds.shape[-1]))
         return list(level.split([t.num_tokens for _, t in tiers], dim=-1))

@@ -1,0 +1,198 @@
+"""Load a causal LM for kvstack's benchmarks and CLI: a Hugging Face directory, or a GGUF file (or a directory holding
+exactly one ``.gguf``).
+
+GGUF goes through transformers' own GGUF support (the PyPI packages ``gguf`` and ``accelerate``:
+``pip install -e '.[gguf]'``), which dequantizes every weight — slow (10-30 s on 2 CPU cores). So that happens ONCE:
+the dequantized model is written, in float32 (the exact dequantized values), with its tokenizer, as an HF-format
+directory in a cache outside the repository (``KVSTACK_CACHE_DIR``, default ``~/.cache/kvstack``), keyed by the
+file's name, size and modification time; every later load reads that copy (about a second), and needs neither
+package.
+
+Default dtype: bfloat16 for a GGUF model (its weights are 4-8-bit blocks, so bfloat16 loses little, and on CPUs with
+bf16 matmuls it prefills ~2.5x faster than float32), the config's ``dtype`` for an HF directory. ``dtype=`` overrides
+either (``torch.float32``, or a name: ``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstack.stack.errors import KVStackError
+
+DEFAULT_CACHE_DIR = "~/.cache/kvstack"
+GGUF_DTYPE = torch.bfloat16  # default dtype of a model that comes from a GGUF file
+MARKER = "kvstack-source.json"  # written into a converted directory: where it came from, its default dtype
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+GGUF_PACKAGES = ("gguf", "accelerate")
+INSTALL_HINT = "pip install -e '.[gguf]'"
+
+
+class ModelLoadError(KVStackError, ValueError):
+    """A model path that cannot be loaded: missing, ambiguous, or needing packages that are not installed."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a path points at: ``format`` is ``"hf"`` (``path``: the directory) or ``"gguf"`` (``path``: the file)."""
+
+    format: str
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def describe(self) -> dict:
+        info = {"model": self.name, "model_path": str(self.path), "model_format": self.format}
+        if self.format == "gguf":
+            info["converted_dir"] = str(converted_dir(self.path))
+        return info
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSTACK_CACHE_DIR", DEFAULT_CACHE_DIR)).expanduser()
+
+
+def resolve_source(source: str | Path) -> ModelSource:
+    """Classify ``source`` without loading anything; raises :class:`ModelLoadError` with what to pass instead."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model {str(source)!r} does not exist (a Hugging Face directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"model {str(source)!r} is a file but not a .gguf file: give a .gguf file or a Hugging Face directory"
+            )
+        return ModelSource("gguf", path)
+    if (path / "config.json").is_file():
+        return ModelSource("hf", path)
+    ggufs = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0])
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelLoadError(
+            f"model {str(source)!r} holds {len(ggufs)} .gguf files ({names}): give the file to load"
+        )
+    raise ModelLoadError(
+        f"model {str(source)!r} is a directory with neither a config.json (Hugging Face model) nor a .gguf file"
+    )
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(dtype, "value", dtype)  # an Enum member (the CLI's choices)
+    key = str(value).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ModelLoadError(f"dtype={dtype!r} is not allowed: one of float32, bfloat16, float16")
+    return DTYPES[key]
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the HF-format copy of ``gguf`` lives: keyed by its name, size and modification time."""
+    stat = gguf.stat()
+    return cache_root() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def missing_gguf_packages() -> list[str]:
+    return [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def ensure_hf_dir(source: str | Path) -> Path:
+    """An HF-format directory for ``source``: the directory itself, or the converted copy of a GGUF file (made on the
+    first call; later calls return at once)."""
+    resolved = resolve_source(source)
+    if resolved.format == "hf":
+        return resolved.path
+    target = converted_dir(resolved.path)
+    if (target / MARKER).is_file():
+        return target
+    return convert_gguf(resolved.path, target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize ``gguf`` with transformers (float32) and save model + tokenizer as an HF directory at ``target``.
+
+    Follows the model's SOURCE.md: the loaded model keeps a ``quantization_config`` marker and refuses
+    ``save_pretrained`` until it is deleted and ``hf_quantizer`` is unset. Written to a temporary directory next to
+    ``target`` and renamed, so an interrupted conversion never leaves a half-written copy that later loads trust."""
+    missing = missing_gguf_packages()
+    if missing:
+        raise ModelLoadError(
+            f"loading {gguf.name} (GGUF) needs the packages {', '.join(missing)}: {INSTALL_HINT} "
+            f"(or pip install {' '.join(GGUF_PACKAGES)})"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = gguf.parent, gguf.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except Exception as err:  # a corrupt file or an architecture transformers cannot read from GGUF
+        raise ModelLoadError(f"transformers could not load {str(gguf)!r} as GGUF: {type(err).__name__}: {err}") from err
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        stat = gguf.stat()
+        marker = {
+            "gguf_file": name,
+            "gguf_path": str(gguf.resolve()),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "saved_dtype": "float32",
+            "default_dtype": str(GGUF_DTYPE).removeprefix("torch."),
+        }
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted the same file meanwhile: keep theirs
+            if not (target / MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_dtype(hf_dir: Path) -> torch.dtype | str:
+    """bfloat16 for a converted GGUF directory; otherwise ``"auto"`` (transformers reads the config's dtype)."""
+    marker = hf_dir / MARKER
+    if marker.is_file():
+        return parse_dtype(json.loads(marker.read_text()).get("default_dtype", "bfloat16"))
+    return "auto"
+
+
+def load_causal_lm(source: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer) from an HF directory, a ``.gguf`` file or a directory holding one ``.gguf``.
+
+    A GGUF file is converted once into the cache (see the module docstring); ``dtype`` defaults to bfloat16 for it
+    and to the config's dtype for an HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = parse_dtype(dtype)
+    hf_dir = ensure_hf_dir(source)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype or default_dtype(hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    return model.to(device).eval(), tokenizer
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype

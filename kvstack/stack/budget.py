@@ -1,0 +1,123 @@
+"""A budget is a promise (docs/budgets.md).
+
+With ``budget: {ratio: r}`` the cache never holds more than ``r`` times the bytes of an uncompressed cache of the same
+tokens in the dtype the cache holds; with ``budget: {tokens: n}`` never more than the bytes of ``n`` uncompressed
+tokens per layer. Every tensor counts: codes, scales, zero points, positions, per-token records, the low-rank state.
+
+Three parts keep it:
+
+* the stages that size themselves to a budget (``evict``, ``quantized_prune`` with tiers: ``StageSpec.keeps_budget``) work out
+  their token counts in bytes, from the layer's limit minus what the layer holds besides its tokens (the state);
+* after every forward, each layer compares the bytes it holds with its limit; if it holds more (rounding, a decode
+  step between two periodic compressions, a stage downstream of the sizing one), the owner's ``Stage.fit`` removes
+  its lowest-ranked tokens until it fits. Protected tokens (sinks, recent window) yield last, but they yield;
+* ``check_budget`` (run by ``kvstack.apply`` before anything is touched) refuses a stack that cannot keep its budget
+  and says what it can reach.
+
+The low-rank state is created only once it costs at most ``STATE_SHARE`` of the layer's limit (a state worth more
+than a quarter of the budget would leave too little for exact tokens); tokens evicted before that are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Budget, StageSpec
+from .errors import SpecError
+from .shape import ModelShape
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .spec import StackSpec
+
+#: the low-rank state is created once it costs at most this share of the layer's limit
+STATE_SHARE = 0.25
+#: token count at which a stack without a sizing stage is priced in a refusal
+PRICING_TOKENS = 4096
+
+
+class BudgetError(SpecError):
+    """The stack cannot keep its budget on this model and dtype (raised by ``kvstack.apply``), or a layer holds more
+    than its budget with nothing left to remove (a bug: reported, never silently overshot)."""
+
+
+def reference_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """One uncompressed token of one layer and batch row: keys + values of every KV head in ``dtype``."""
+    return shape.num_kv_heads * (shape.head_dim + shape.value_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def promise(spec: "StackSpec") -> tuple[Budget, StageSpec] | None:
+    """(the budget the whole cache keeps, the stage that keeps it), or None for a stack without a budget.
+
+    The stack's ``budget`` is the promise; without one, the own budget of its sizing stage. The last sizing stage
+    keeps it (it acts last). A budget with no sizing stage has no keeper: ``check_budget`` refuses it.
+    """
+    sizing = [s for s in spec.stages if s.keeps_budget()]
+    owner = sizing[-1] if sizing else None
+    budget = spec.budget or (owner.effective_budget(None) if owner is not None else None)
+    if budget is None:
+        return None
+    return budget, owner
+
+
+class LayerPromise:
+    """The limit of one layer: ``scale * budget`` (the owner's schedule share) in bytes per batch row."""
+
+    __slots__ = ("budget", "scale", "reference")
+
+    def __init__(self, budget: Budget, scale: float, reference: int) -> None:
+        self.budget, self.scale, self.reference = budget, scale, reference
+
+    def limit(self, seen: int) -> int:
+        return int(self.scale * self.budget.limit_bytes(seen, self.reference) + 1e-9)
+
+
+def check_budget(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype, reference: ModelShape | None = None) -> None:
+    """Raise :class:`BudgetError` if ``spec`` cannot keep its budget on a model of ``shape`` in ``dtype``: no stage
+    keeps it (the message prices what the stack holds and why), or the low-rank state alone exceeds its share of a
+    ``tokens`` budget (it would never be created)."""
+    held = promise(spec)
+    if held is None:
+        return
+    budget, owner = held
+    reference = reference or shape
+    ref_token = reference_bytes_per_token(reference, dtype)
+    where = f"budget {{{budget.describe()}}} on this model in {str(dtype).removeprefix('torch.')}"
+    if owner is None:
+        n = PRICING_TOKENS
+        plan = spec.memory_plan(shape, n, dtype=dtype)
+        full = reference.num_layers * n * ref_token
+        why = ", ".join(f"{name} {nbytes / full:.3f}" for name, nbytes in plan.report().items())
+        reach = f"{plan.bytes / full:.3f} of the full cache at {n} tokens ({why})"
+        if budget.tokens is not None:
+            reach += " and grows with every token"
+        raise BudgetError(
+            f"{where}: none of the stages of {spec.name!r} sizes what it keeps to a budget (evict, quantized_prune with tiers), so "
+            f"nothing keeps it: the stack holds {reach}. Add an evict or quantized_prune stage, or drop the budget"
+        )
+    plan = spec.memory_plan(shape, 1, dtype=dtype)
+    state = max((layer.state_bytes for layer in plan.layers), default=0)
+    if state and budget.tokens is not None:
+        scale = min(owner.layer_scale(i, shape.num_layers) for i in range(shape.num_layers))
+        limit = LayerPromise(budget, scale, ref_token).limit(0)
+        if state > STATE_SHARE * limit:
+            need = math.ceil(state / (STATE_SHARE * scale * ref_token))
+            raise BudgetError(
+                f"{where}: the low-rank state costs {state} bytes per layer, more than {STATE_SHARE:.0%} of the "
+                f"{limit} bytes a layer may hold, so it would never be created; raise budget.tokens to at least "
+                f"{need}, or lower the lowrank rank"
+            )
+
+
+def state_from_tokens(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype) -> int | None:
+    """For a ratio budget with a low-rank state: the tokens seen from which the state may exist (docs/budgets.md)."""
+    held = promise(spec)
+    if held is None or held[0].ratio is None or held[1] is None:
+        return None
+    plan = spec.memory_plan(shape, 1, dtype=dtype)
+    state = max((layer.state_bytes for layer in plan.layers), default=0)
+    if not state:
+        return None
+    return math.ceil(state / (STATE_SHARE * held[0].ratio * reference_bytes_per_token(shape, dtype)))
