@@ -102,10 +102,12 @@ def test_memory_never_exceeds_the_budget(scenario):
 )
 def test_the_overshoots_of_issue_13_hold_now(preset, dtype, budget):
     """The cases that overshot (0.307 for 0.25, ...; a 384-token prefix): a 768-token prefix and 64 decode steps stay
-    within budget and use most of it (a promise kept by holding nearly nothing would be useless)."""
+    within budget and use a good part of it (a promise kept by holding nearly nothing would be useless). At 768
+    tokens x 0.0625 the fixed parts (a partial group per level, the tokens waiting for the next re-assignment) take
+    up to half of the budget; their share falls as the context grows."""
     spec = kvstack.StackSpec.load(preset).with_overrides(budget=budget)
     ratio = run_and_check(llama(64, dtype, kv_heads=3), spec, [768] + [1] * 64)
-    assert 0.6 * budget["ratio"] < ratio <= budget["ratio"]
+    assert 0.4 * budget["ratio"] < ratio <= budget["ratio"]
 
 
 def test_h2o_with_a_window_larger_than_the_budget_yields():

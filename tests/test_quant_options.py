@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstack
-from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.kernels.rope import apply_rope, rope_angles
 from kvstack.stack import engine
 from kvstack.stack.cache import StackLayer, compaction_index
@@ -76,7 +75,8 @@ def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4, 
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bits": 3, "group_size": 4, "residual": 0}, r"group_size=4 .* multiple of 8 for bits=3 \(8 codes packed in 3"),
+        ({"bits": 3, "group_size": 4, "residual": 0},
+         r"group_size=4 .* multiple of 8 for bits=3 \(8 codes packed in 3"),
         ({"bits": 3, "value_group_size": 4}, r"value_group_size=4 .* multiple of 8 for bits=3"),
         ({"bits": 8, "codebook": "nf"}, r"codebook='nf' is not allowed: uniform with bits=8"),
         ({"rotate": "fourier"}, r"rotate"),
@@ -449,9 +449,6 @@ def test_keys_beyond_the_float8_range_raise_a_clear_error():
     with pytest.raises(QuantizationError, match=r"layer 0, quantize: cannot quantize keys to 3 bits: .*float8_e4m3fn"):
         run(model, stage(bits=3, residual=0, scale_dtype="float8_e4m3fn"), ids, 16)
 
-
-def test_three_bit_pack_unit_is_what_the_tier_uses():
-    assert PACK_UNIT[3] == (8, 3)
 
 
 def test_the_options_mix_into_quantized_prune_without_shadowing_its_levels():

@@ -160,7 +160,8 @@ def run_options(dtypes: list[torch.dtype], passages: int, model_path: Path | Non
         texts = protocol.load_passages(data, n=passages)
         ids = [torch.tensor(tokenizer(t)["input_ids"][:max_len]) for t in texts]
         refs = protocol.reference_set(model, ids, prefix)
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
         def run(spec=None, **kw):
             return protocol.evaluate(model, tokenizer, texts, spec, prefix=prefix, max_len=max_len, references=refs,

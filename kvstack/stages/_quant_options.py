@@ -97,7 +97,8 @@ class QuantOptions(BaseModel):
         if self.scale_dtype != "model":
             sdt = SCALE_DTYPES[self.scale_dtype]
             if _itemsize(sdt) >= _itemsize(shape.dtype):
-                smaller = [n for n, d in SCALE_DTYPES.items() if d is not None and _itemsize(d) < _itemsize(shape.dtype)]
+                model_size = _itemsize(shape.dtype)
+                smaller = [n for n, d in SCALE_DTYPES.items() if d is not None and _itemsize(d) < model_size]
                 raise spec_error(
                     "scale_dtype", self.scale_dtype,
                     f"'model' or a format smaller than the model dtype {str(shape.dtype).removeprefix('torch.')}"
@@ -169,8 +170,9 @@ def rope_frequencies(shape, layer_idx: int) -> torch.Tensor:
         raise refuse("the config has no rope_parameters")
     layer_type = None
     layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] in params and isinstance(params[layer_types[layer_idx]], dict):
-        layer_type = layer_types[layer_idx]
+    own = layer_types[layer_idx] if layer_types is not None else None
+    if own is not None and isinstance(params.get(own), dict):  # per-layer-type RoPE (Gemma3)
+        layer_type = own
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:

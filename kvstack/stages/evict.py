@@ -177,10 +177,18 @@ class LayerCap:
         self.limit, self.own, self.block, self.slack = limit, own, block, slack
 
     def __call__(self, seen: int, reserved: int = 0) -> int:
-        cap = max((self.limit.limit(seen) - reserved) // self.own - self.slack, 0)
+        cap = max(self.fitting(seen, reserved) - self.slack, 0)
         if self.block is not None:
             cap = cap // self.block * self.block
         return cap
+
+    def fitting(self, seen: int, reserved: int = 0) -> int:
+        """Tokens whose bytes fit the limit (no slack, no blocks)."""
+        return max((self.limit.limit(seen) - reserved) // self.own, 0)
+
+    def allowed(self, seen: int, reserved: int = 0) -> int:
+        """The most tokens the layer may hold before it compresses: the cap plus the slack, within the limit."""
+        return min(self(seen, reserved) + self.slack, self.fitting(seen, reserved))
 
 
 class EvictStage(Stage):
@@ -195,23 +203,25 @@ class EvictStage(Stage):
     def attention_request(self, layer, query_length):
         return self.scorer.request(layer, query_length)
 
-    def budget_tokens(self, layer) -> int:
+    def budget_tokens(self, layer) -> tuple[int, int]:
+        """(the cap a compression keeps, the most tokens the layer may hold before it compresses)."""
         dtype = layer.full.keys.dtype
         caps = self._caps.get(dtype)
         if caps is None:  # once per dtype held (a model cast after apply holds another dtype)
             caps = self._caps[dtype] = self.spec.layer_caps(self.shape, dtype, self.stack_budget, layer.reference)
-        return caps[layer.layer_idx](layer.seen, layer.reserved_bytes())
+        cap = caps[layer.layer_idx]
+        reserved = layer.reserved_bytes()
+        return cap(layer.seen, reserved), cap.allowed(layer.seen, reserved)
 
     def after_attention(self, layer, stats) -> None:
         self.scorer.observe(layer, stats)
         prefill = stats.num_queries > 1 or layer.seen == stats.num_queries
         if (self.spec.phase == "prefill" and not prefill) or (self.spec.phase == "decode" and prefill):
             return
-        cap = self.budget_tokens(layer)
-        slack = self.spec.every - 1
-        if sum(t.num_tokens for t in layer.tiers) <= cap + slack:  # slots bound the kept tokens: no host sync
+        cap, allowed = self.budget_tokens(layer)
+        if sum(t.num_tokens for t in layer.tiers) <= allowed:  # slots bound the kept tokens: no host sync
             return
-        if slack and int(layer.kept_counts().max()) <= cap + slack:  # padding slots: only count when it matters
+        if allowed > cap and int(layer.kept_counts().max()) <= allowed:  # padding slots: count when it matters
             return
         self.keep_best(layer, cap, stats)
 
