@@ -30,7 +30,7 @@ args = parser.parse_args()
 
 stack = """
 name: value-norm
-description: sinks + recent window + the largest-value tokens, 64 per layer and KV head
+description: sinks + recent window + the largest-value tokens, the bytes of 64 tokens per layer
 budget: {tokens: 64}
 stages:
   - kind: evict
@@ -47,4 +47,7 @@ with kvstack.applied(model, stack):
 print(tokenizer.decode(out[0], skip_special_tokens=True))
 kept = cache.kept_tokens()[0]
 print(f"kept per KV head in layer 0: {kept.tolist()} of {cache.get_seq_length()} seen")
-assert int(kept.max()) == 64
+# the budget is bytes: 64 uncompressed tokens' worth, and each kept token also holds its position per head
+spec = kvstack.StackSpec.load(stack)
+cap = spec.stages[0].layer_cap(kvstack.ModelShape.from_model(model), model.dtype, spec.budget, 0, cache.get_seq_length())
+assert int(kept.max()) == cap < 64

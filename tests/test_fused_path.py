@@ -23,8 +23,8 @@ STACKS = {
         ],
     },
     "less": {
-        "budget": {"tokens": 12},
-        "stages": [{"kind": "evict", "n_sink": 2}, {"kind": "lowrank", "rank": 8}],
+        "budget": {"tokens": 12},  # the state must fit a quarter of the budget (docs/budgets.md)
+        "stages": [{"kind": "evict", "n_sink": 2}, {"kind": "lowrank", "rank": 4}],
     },
 }
 

@@ -57,7 +57,7 @@ class ModelSource:
     def describe(self) -> dict:
         info = {"model": self.name, "model_path": str(self.path), "model_format": self.format}
         if self.format == "gguf":
-            info["converted_dir"] = str(converted_dir(self.path))
+            info["converted_dir"] = converted_dir(self.path).name  # the name only: no machine paths in results
         return info
 
 
