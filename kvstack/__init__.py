@@ -8,6 +8,7 @@
 from kvstack.context import CompressedContext, ContextError, KVStackPipeline, compress_context, register_pipeline
 from kvstack.stack.apply import applied, apply, cache_for, remove
 from kvstack.stack.base import Budget, Stage, StageSpec
+from kvstack.stack.budget import BudgetError
 from kvstack.stack.cache import KVStackCache
 from kvstack.stack.errors import CacheUsageError, KVStackError, SpecError, UnsupportedModelError
 from kvstack.stack.memory import full_cache_bytes
@@ -22,6 +23,7 @@ register_pipeline()  # pipeline("kvstack-text-generation", ...) works after `imp
 
 __all__ = [
     "Budget",
+    "BudgetError",
     "CacheUsageError",
     "CompressedContext",
     "ContextError",

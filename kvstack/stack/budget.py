@@ -110,14 +110,3 @@ def check_budget(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype, refer
                 f"{need}, or lower the lowrank rank"
             )
 
-
-def state_from_tokens(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype) -> int | None:
-    """For a ratio budget with a low-rank state: the tokens seen from which the state may exist (docs/budgets.md)."""
-    held = promise(spec)
-    if held is None or held[0].ratio is None or held[1] is None:
-        return None
-    plan = spec.memory_plan(shape, 1, dtype=dtype)
-    state = max((layer.state_bytes for layer in plan.layers), default=0)
-    if not state:
-        return None
-    return math.ceil(state / (STATE_SHARE * held[0].ratio * reference_bytes_per_token(shape, dtype)))
