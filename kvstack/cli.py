@@ -22,8 +22,9 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def _check_jsonl(data: Path) -> None:
-    """--data must be JSONL with a "text" string on every non-empty line: checked before any model is loaded."""
+def _check_jsonl(data: Path, fields: tuple[str, ...] = ("text",)) -> None:
+    """--data must be JSONL whose every non-empty line is an object with ``fields`` (``text`` a string), checked
+    before any model is loaded."""
     if not data.is_file():
         _fail(f"--data {str(data)!r} is not a file")
     for number, line in enumerate(data.read_text(errors="replace").splitlines(), 1):
@@ -33,8 +34,11 @@ def _check_jsonl(data: Path) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             _fail(f"--data {str(data)!r} is not JSONL: line {number} is not a JSON object ({line[:60]!r})")
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            _fail(f"--data {str(data)!r}: line {number} has no \"text\" string (each line: {{\"text\": ...}})")
+        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+        if "text" in fields and "text" not in missing and not isinstance(record["text"], str):
+            missing.append("text")
+        if missing:
+            _fail(f"--data {str(data)!r}: line {number} lacks {', '.join(missing)} (each line: {', '.join(fields)})")
 
 
 def _version(value: bool) -> None:
@@ -169,22 +173,6 @@ def _check_model_source(model: Path):
         return models.resolve_source(model)
     except models.ModelLoadError as err:
         _fail(f"--model: {err}")
-
-
-def _check_jsonl_fields(data: Path, fields: tuple[str, ...]) -> None:
-    """--data must be JSONL whose every non-empty line is an object with ``fields`` (checked before any loading)."""
-    if not data.is_file():
-        _fail(f"--data {str(data)!r} is not a file")
-    for number, line in enumerate(data.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            _fail(f"--data {str(data)!r} is not JSONL: line {number} is not a JSON object ({line[:60]!r})")
-        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-        if missing:
-            _fail(f"--data {str(data)!r}: line {number} lacks {', '.join(missing)} (each line: {', '.join(fields)})")
 
 
 class Device(str, Enum):
@@ -493,7 +481,7 @@ def bench(
         _check_jsonl(data)
     elif chosen is BenchProtocol.needle:
         data = data if data is not None else real_model.needle_data_path()
-        _check_jsonl_fields(data, ("context_tokens", "context", "question", "answer"))
+        _check_jsonl(data, ("context_tokens", "context", "question", "answer"))
     else:
         if data is None:
             _fail(f"--data is required with --protocol {chosen.value}: a JSONL file of {{\"text\": ...}} passages")

@@ -138,8 +138,23 @@ class Stage:
         """Compress the layer after its attention ran (the only place tokens may leave a tier)."""
 
     def fit(self, layer: "StackLayer", stats: "AttentionStats", limit: int) -> None:
-        """Stages that ``keeps_budget``: remove tokens until ``layer.memory_bytes() <= limit`` (the stack's promise;
-        called after every stage's ``after_attention`` when the layer holds more)."""
+        """Stages that ``keeps_budget``: keep fewer of their best tokens until ``layer.memory_bytes() <= limit`` (the
+        stack's promise; called after every stage's ``after_attention`` when the layer holds more). The first step
+        drops what the excess costs at the dearest tier's price; it doubles when freed slots freed no bytes
+        (quantized groups keep holes until they merge)."""
+        drop, before = 0, None
+        while layer.memory_bytes() > limit:
+            kept = int(layer.kept_counts().max())
+            if kept == 0 or kept == before:  # nothing left, or nothing more this stage can remove
+                return
+            before = kept
+            per_token = max(t.bytes_per_token() for t in layer.tiers if t.num_tokens) * layer.full.keys.shape[0]
+            drop = max(-(-(layer.memory_bytes() - limit) // int(per_token)), 2 * drop, 1)
+            self.keep_at_most(layer, stats, max(kept - drop, 0))
+
+    def keep_at_most(self, layer: "StackLayer", stats: "AttentionStats", cap: int) -> None:
+        """Stages that ``keeps_budget``: keep at most ``cap`` tokens per (row, KV head), the best by the stage's
+        ranking (what ``fit`` shrinks with)."""
         raise NotImplementedError(f"{type(self).__name__} does not size itself to a budget")
 
 

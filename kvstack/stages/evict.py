@@ -230,20 +230,9 @@ class EvictStage(Stage):
         for tier, tier_keep in zip([t for t in layer.tiers if t.num_tokens], keep):
             layer.retain(tier, tier_keep)
 
-    def fit(self, layer, stats, limit: int) -> None:
-        """Keep fewer of the best tokens until the layer holds at most ``limit`` bytes (the stack's promise)."""
-        drop, before = 0, None
-        while layer.memory_bytes() > limit:
-            kept = int(layer.kept_counts().max())
-            if kept == 0 or kept == before:  # nothing left, or nothing more this stage can remove
-                return
-            before = kept
-            step = self.spec.block_size if self.spec.granularity == "block" else 1
-            per_token = max(t.bytes_per_token() for t in layer.tiers if t.num_tokens) * layer.full.keys.shape[0]
-            # the cheapest sufficient step first; doubling when freed slots did not free bytes (quantized groups)
-            drop = max(-(-(layer.memory_bytes() - limit) // int(per_token)), 2 * drop, 1)
-            cap = max(kept - drop, 0) // step * step
-            self.keep_best(layer, cap, stats)
+    def keep_at_most(self, layer, stats, cap: int) -> None:
+        step = self.spec.block_size if self.spec.granularity == "block" else 1
+        self.keep_best(layer, cap // step * step, stats)
 
     def select(self, layer, cap: int, stats) -> list[torch.Tensor]:
         """Keep masks, one per non-empty exact tier: the best ``cap`` tokens per (row, head) over all tiers."""

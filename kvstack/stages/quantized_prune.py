@@ -322,17 +322,8 @@ class QuantizedPruneStage(Stage):
                 return
         self.reassign(layer, stats, self.split_for(layer).cap(layer.seen, layer.reserved_bytes()))
 
-    def fit(self, layer, stats, limit: int) -> None:
-        """Keep fewer tokens (the lowest-ranked leave) until the layer holds at most ``limit`` bytes."""
-        drop, before = 0, None
-        while layer.memory_bytes() > limit:
-            kept = int(layer.kept_counts().max())
-            if kept == 0 or kept == before:  # nothing left, or nothing more this stage can remove
-                return
-            before = kept
-            per_token = max(t.bytes_per_token() for t in layer.tiers if t.num_tokens) * layer.full.keys.shape[0]
-            drop = max(-(-(layer.memory_bytes() - limit) // int(per_token)), 2 * drop, 1)
-            self.reassign(layer, stats, max(kept - drop, 0))
+    def keep_at_most(self, layer, stats, cap: int) -> None:
+        self.reassign(layer, stats, cap)
 
     def reassign(self, layer, stats, cap: int | None) -> None:
         """Rank every token of this stage's tiers and move each to its level for a kept count ``cap``."""
