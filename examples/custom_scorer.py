@@ -1,4 +1,5 @@
-"""The smallest possible eviction policy: keep the tokens whose VALUES are largest (docs/writing-a-stage.md).
+"""The smallest possible eviction policy: keep the tokens whose VALUES are largest (docs/writing-a-stage.md), with a
+parameter of its own that the spec validates.
 
     python examples/custom_scorer.py
 """
@@ -6,7 +7,7 @@
 import argparse
 import os
 
-import torch
+from pydantic import Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvstack
@@ -14,14 +15,17 @@ import kvstack
 
 @kvstack.register_scorer
 class ValueNormScorer(kvstack.Scorer):
-    """Score = ||v_i||: a token that moves the output a lot when attended is worth keeping."""
+    """Score = ||v_i||_p: a token that moves the output a lot when attended is worth keeping."""
 
     name = "value_norm"
     head_wise = True  # each KV head keeps its own top tokens
 
+    class Params(kvstack.ScorerParams):  # validated when a spec loads; read as self.params
+        p: float = Field(default=2.0, ge=1.0, description="Order of the value norm (large p: the largest channel).")
+
     def scores(self, layer, tier_index, tier, stats):
         _, values = kvstack.tier_keys_values(tier)  # [B, Hkv, T, D], dequantized if the tier is quantized
-        return values.float().norm(dim=-1)  # [B, Hkv, T]: higher = keep
+        return values.float().norm(p=self.params.p, dim=-1)  # [B, Hkv, T]: higher = keep
 
 
 parser = argparse.ArgumentParser()
@@ -35,9 +39,14 @@ budget: {tokens: 64}
 stages:
   - kind: evict
     scorer: value_norm
+    scorer_params: {p: 1.0}
     n_sink: 4
     recent: 16
 """
+try:  # the parameter is validated like any spec field
+    kvstack.StackSpec.load(stack.replace("p: 1.0", "p: 0.5"))
+except kvstack.SpecError as err:
+    print("refused:", str(err).splitlines()[-1].strip())
 model = AutoModelForCausalLM.from_pretrained(args.model).eval()
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 with kvstack.applied(model, stack):

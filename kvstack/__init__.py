@@ -15,7 +15,7 @@ from kvstack.stack.memory import full_cache_bytes
 from kvstack.stack.registry import register_stage, stage_specs
 from kvstack.stack.shape import SUPPORTED_MODEL_TYPES, ModelShape
 from kvstack.stack.spec import StackSpec, list_presets, preset_names
-from kvstack.stages.scorers import Scorer, register_scorer, scorer_names, tier_keys_values
+from kvstack.stages.scorers import Scorer, ScorerParams, register_scorer, scorer_names, tier_keys_values
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "SpecError",
     "StackSpec",
     "Scorer",
+    "ScorerParams",
     "Stage",
     "StageSpec",
     "UnsupportedModelError",

@@ -150,14 +150,18 @@ class BenchProtocol(str, Enum):
 
 MODEL_HELP = (
     "A Hugging Face causal LM directory, a .gguf file, or a directory holding exactly one .gguf (converted once into "
-    "KVSTACK_CACHE_DIR, default ~/.cache/kvstack; needs kvstack's gguf extra: the gguf and accelerate packages)."
+    "KVSTACK_CACHE_DIR, default ~/.cache/kvstack; needs kvstack's gguf extra: the gguf and accelerate packages). Or a "
+    "Hugging Face Hub model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) when no such local path exists, loaded with "
+    "from_pretrained (the Hub cache is used; HF_HUB_OFFLINE=1 uses only it)."
 )
+DEVICE_HELP = "Where the model runs: cpu, cuda, or auto (cuda when available, else cpu)."
 DTYPE_HELP = "Model dtype (default: bfloat16 for a GGUF model, the config's dtype for a Hugging Face directory)."
 PROTOCOL_METAVAR = "[" + "|".join(p.value for p in BenchProtocol) + "]"
 
 
-def _load_model(model: Path, dtype: "DType | None", device: str = "cpu"):
-    """(model, tokenizer) through :func:`kvstack.bench.models.load_causal_lm`; a clear error instead of a trace."""
+def _load_model(model: str, dtype: "DType | None", device: str = "cpu"):
+    """(model, tokenizer) through :func:`kvstack.bench.models.load_causal_lm` (a local path or a Hub id); a clear
+    error instead of a trace."""
     from kvstack.bench import models
 
     try:
@@ -166,11 +170,14 @@ def _load_model(model: Path, dtype: "DType | None", device: str = "cpu"):
         _fail(f"--model: {err}")
 
 
-def _check_model_source(model: Path):
+def _check_model_source(model: str) -> None:
+    """A local ``--model`` that cannot load, before anything else runs (a Hub id is checked when it loads)."""
     from kvstack.bench import models
 
+    if models.hub_id(model) is not None:
+        return
     try:
-        return models.resolve_source(model)
+        models.resolve_source(model)
     except models.ModelLoadError as err:
         _fail(f"--model: {err}")
 
@@ -183,12 +190,6 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-GENERATE_MODEL_HELP = (
-    MODEL_HELP + " Or a Hugging Face Hub model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) when no such local "
-    "path exists, loaded with from_pretrained (the Hub cache is used; HF_HUB_OFFLINE=1 uses only it)."
-)
-
-
 def _resolve_device(device: Device) -> str:
     """The torch device for ``--device``: checked before any model is loaded."""
     import torch
@@ -199,53 +200,6 @@ def _resolve_device(device: Device) -> str:
         why = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
         _fail(f"--device cuda is not available: torch {torch.__version__} {why}; use --device cpu (or auto)")
     return device.value
-
-
-def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE as set now (huggingface_hub reads them once, at its import)."""
-    from huggingface_hub import constants
-
-    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
-    return constants.HF_HUB_OFFLINE or any(str(f).upper() in ("1", "ON", "YES", "TRUE") for f in flags if f)
-
-
-def _hub_id(model: str) -> str | None:
-    """``model`` as a Hub id when it names no local path and has the form ``name`` or ``namespace/name``."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.lower().endswith(".gguf"):
-        return None
-    try:
-        validate_repo_id(model)
-    except HFValidationError:
-        return None
-    return model
-
-
-def _load_hub_model(model_id: str, dtype: "DType | None", device: str):
-    """(model, tokenizer) from the Hub (or its local cache); a clear error naming the id when that fails."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    offline = _hub_offline()
-    options = {"local_files_only": True} if offline else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id, **options)
-        lm = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype=getattr(torch, dtype.value) if dtype is not None else "auto", **options
-        )
-    except Exception as err:  # OSError from the hub client, ValueError for an unknown architecture, ...
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        offline_ways = "a local Hugging Face directory or a .gguf file works offline"
-        if offline:
-            _fail(f"--model {model_id!r} is not a local path and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1), "
-                  f"with no copy of it in the Hub cache: {offline_ways}, or unset HF_HUB_OFFLINE to download it")
-        if "connect" in detail.lower() or "offline" in detail.lower():
-            _fail(f"--model {model_id!r} is not a local path and the Hugging Face Hub could not be reached "
-                  f"({detail}): {offline_ways}")
-        _fail(f"--model {model_id!r} is not a local path, and loading it from the Hugging Face Hub failed: "
-              f"{type(err).__name__}: {detail}")
-    return lm.to(device).eval(), tokenizer
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -306,7 +260,7 @@ def _peak_rss_bytes() -> int | None:
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., help=GENERATE_MODEL_HELP),
+    model: str = typer.Option(..., help=MODEL_HELP),
     preset: str = typer.Option("identity", help="Preset name or YAML file."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text; - reads it from stdin."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file."),
@@ -314,8 +268,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Format the prompt as one user turn with the tokenizer's chat "
                               "template (and its generation prompt); print only the reply."),
     dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP),
-    device: Device = typer.Option(Device.auto, case_sensitive=False, help="Where the model runs: cpu, cuda, or "
-                                  "auto (cuda when available, else cpu)."),
+    device: Device = typer.Option(Device.auto, case_sensitive=False, help=DEVICE_HELP),
     do_sample: bool = typer.Option(False, "--do-sample/--greedy", help="Sample, or decode greedily (the default)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; needs --do-sample)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (needs --do-sample)."),
@@ -338,12 +291,8 @@ def generate(
     spec = _load(preset)
     sampling = _sampling(do_sample, temperature, top_p, top_k, seed)
     where = _resolve_device(device)
-    hub_id = _hub_id(model)
-    if hub_id is not None:
-        lm, tokenizer = _load_hub_model(hub_id, dtype, where)
-    else:
-        _check_model_source(Path(model))
-        lm, tokenizer = _load_model(Path(model), dtype, where)
+    _check_model_source(model)
+    lm, tokenizer = _load_model(model, dtype, where)
     try:
         kvstack.apply(lm, spec)
     except kvstack.KVStackError as err:
@@ -402,7 +351,7 @@ def generate(
 
 @app.command()
 def bench(
-    model: Path = typer.Option(..., help=MODEL_HELP),
+    model: str = typer.Option(..., help=MODEL_HELP),
     data: Optional[Path] = typer.Option(
         None, help="JSONL data. prefill/decode: passages, one {\"text\": ...} per line (required); code-kl: default "
         "../shared/data/smollm2-code-dev.jsonl (KVSTACK_CODE_DATA); needle: default "
@@ -436,6 +385,7 @@ def bench(
     dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP + " prefill/decode: float32 "
                                           "only."),
     fp32: bool = typer.Option(False, "--fp32", help="Shorthand for --dtype float32."),
+    device: Device = typer.Option(Device.auto, case_sensitive=False, help=DEVICE_HELP),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: KVSTACK_BENCH_THREADS or torch's "
                                           "default; 1 is fastest on a busy 2-core machine)."),
     out: Path = typer.Option(..., help="Output directory (results.json, quality_vs_memory.png; code-kl: code_kl.json, "
@@ -470,8 +420,7 @@ def bench(
     if not real and dtype not in (None, DType.float32):
         _fail(f"--dtype {dtype.value} is not allowed with --protocol {chosen.value}: it runs in float32 "
               "(kvstack.bench.protocol); code-kl and needle take --dtype")
-    if not model.exists():
-        _fail(f"--model {str(model)!r} does not exist (a Hugging Face directory or a .gguf file)")
+    where = _resolve_device(device)
     try:
         harness.preset_runs(names, ratio_values)  # unknown presets / invalid overrides: before anything loads
     except KVStackError as err:
@@ -488,17 +437,16 @@ def bench(
         _check_jsonl(data)
     if out.exists() and not out.is_dir():
         _fail(f"--out {str(out)!r} is a file: give a directory (it is created when missing)")
-    if real:
-        _check_model_source(model)
+    _check_model_source(model)
     _run_bench(chosen, model, data, names, out, ratio_values, passages=passages, prefix=prefix, max_len=max_len,
                decode_prefill=decode_prefill, tasks=tasks, lengths=lengths, include_8k=include_8k,
-               max_new_tokens=max_new_tokens, dtype=dtype, threads=threads, progress=progress)
+               max_new_tokens=max_new_tokens, dtype=dtype, device=where, threads=threads, progress=progress)
 
 
-def _run_bench(chosen: BenchProtocol, model: Path, data: Path, names: list[str], out: Path, ratios: tuple, *,
-               passages, prefix, max_len, decode_prefill, tasks, lengths, include_8k, max_new_tokens, dtype, threads,
-               progress) -> None:
-    """The protocol's run and its printout (options already checked)."""
+def _run_bench(chosen: BenchProtocol, model: str, data: Path, names: list[str], out: Path, ratios: tuple, *,
+               passages, prefix, max_len, decode_prefill, tasks, lengths, include_8k, max_new_tokens, dtype, device,
+               threads, progress) -> None:
+    """The protocol's run and its printout (options already checked; ``device`` resolved)."""
     import torch
 
     from kvstack import KVStackError
@@ -510,7 +458,7 @@ def _run_bench(chosen: BenchProtocol, model: Path, data: Path, names: list[str],
             result = real_model.code_kl(
                 model, data, names, out, passages=passages or real_model.CODE_PASSAGES, ratios=ratios,
                 prefix=prefix or real_model.CODE_PREFIX, max_len=max_len or real_model.CODE_MAX_LEN, dtype=dtype_name,
-                threads=threads, progress=progress,
+                device=device, threads=threads, progress=progress,
             )
             typer.echo(real_model.code_kl_table(result.rows))
         elif chosen is BenchProtocol.needle:
@@ -520,20 +468,23 @@ def _run_bench(chosen: BenchProtocol, model: Path, data: Path, names: list[str],
                 _fail(f"--lengths {lengths!r} is not allowed: comma-separated context lengths, e.g. 1024,2048")
             result = real_model.needle(
                 model, data, names, out, tasks_per_length=tasks, lengths=length_values, include_8k=include_8k,
-                ratios=ratios, max_new_tokens=max_new_tokens, dtype=dtype_name, threads=threads, progress=progress,
+                ratios=ratios, max_new_tokens=max_new_tokens, dtype=dtype_name, device=device, threads=threads,
+                progress=progress,
             )
             typer.echo(real_model.needle_table(result.rows))
         else:
-            hf_dir = models.ensure_hf_dir(model)  # a GGUF file is converted once; harness loads float32
             if threads:
                 torch.set_num_threads(threads)
             result = harness.bench(
-                hf_dir, data, names, out, passages=passages or 32, ratios=ratios, protocol_name=chosen.value,
-                prefix=prefix or 384, max_len=max_len or 512, decode_prefill=decode_prefill, progress=progress,
+                model, data, names, out, passages=passages or 32, ratios=ratios, protocol_name=chosen.value,
+                prefix=prefix or 384, max_len=max_len or 512, decode_prefill=decode_prefill, device=device,
+                progress=progress,
             )
             typer.echo(harness.markdown_table(result.rows))
             typer.echo(f"\nwrote {out / harness.RESULTS_FILE} and {out / harness.PLOT_FILE}")
             return
+    except models.ModelLoadError as err:  # a Hub id that cannot load
+        _fail(f"--model: {err}")
     except (KVStackError, ValueError) as err:
         _fail(str(err))
     written = result.files

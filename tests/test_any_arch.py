@@ -10,6 +10,10 @@
 * non-identity presets (streaming with a 16-token budget, kivi-4 with a short residual) run on every arch and hold
   fewer bytes than the full cache (not exactness).
 * each refused family raises ``UnsupportedModelError`` with its reason and leaves the model as it was.
+* ``gqa`` surgery on every arch with separate projections, query/key norms included (Qwen3, Gemma3, Cohere's
+  per-head LayerNorm, StableLM's LayerNorm per head): merging identical KV heads is exact, ``align`` converts and
+  generates; the archs it cannot convert (fused projections, OLMo2/OLMo3's key norm over all heads) are refused at
+  ``apply`` with the reason, the model untouched.
 """
 
 from __future__ import annotations
@@ -216,3 +220,101 @@ def test_refused_family_says_why_and_leaves_the_model_alone(family):
     if config_problem(model.config) is not None:  # what the config alone shows is refused from the config too
         with pytest.raises(kvstack.UnsupportedModelError, match=REFUSED[family]):
             kvstack.full_cache_bytes(model.config, 16)
+
+
+# ------------------------------------------------------------------------------------------------ gqa surgery
+#: archs gqa cannot convert, with the reason its refusal gives
+GQA_REFUSED = {
+    "phi3": "fused qkv_proj",
+    "phi": "separate q/k/v/o projections",
+    "gpt_neox": "separate q/k/v/o projections",
+    "gpt2": "separate q/k/v/o projections",
+    "olmo2": "normalises all 2 KV heads together, one statistic over 2 x 16 channels",
+    "olmo3": "normalises all 2 KV heads together, one statistic over 2 x 16 channels",
+}
+GQA_ARCHS = [a for a in ALL_ARCHS if a not in GQA_REFUSED]
+QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+def _gqa(kv_heads: int, method: str = "mean") -> dict:
+    return {"stages": [{"kind": "gqa", "kv_heads": kv_heads, "method": method}]}
+
+
+@torch.no_grad()
+def distinct_norms_and_identical_kv_heads(model) -> None:
+    """Query/key norm weights drawn per head (so a conversion that mixes up their heads shows), then KV head 1 made a
+    copy of KV head 0 (projections and key norm): merging them loses nothing."""
+    from kvstack.stages._calibration import attention_modules
+
+    g = torch.Generator().manual_seed(4)
+    for attn in attention_modules(model):
+        d = attn.head_dim
+        for name in QK_NORM_NAMES:
+            norm = getattr(attn, name, None)
+            if norm is None:
+                continue
+            for p in norm.parameters():
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            if name.startswith("k"):
+                if hasattr(norm, "norms"):  # StableLM: one LayerNorm per head
+                    for a, b in zip(norm.norms[0].parameters(), norm.norms[1].parameters()):
+                        b.copy_(a)
+                elif norm.weight.ndim == 2:  # Cohere: weights [heads, head_dim]
+                    norm.weight[1] = norm.weight[0]
+        for proj in (attn.k_proj, attn.v_proj):
+            proj.weight[d : 2 * d] = proj.weight[:d]
+            if proj.bias is not None:
+                proj.bias[d : 2 * d] = proj.bias[:d]
+
+
+@pytest.mark.parametrize("arch", GQA_ARCHS)
+def test_gqa_merging_identical_kv_heads_is_exact(arch):
+    model = tiny_model(arch, dtype=torch.float64)
+    distinct_norms_and_identical_kv_heads(model)
+    ids = torch.randint(3, 128, (1, 28), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(28)[None]
+    reference = run_pieces(model, ids, None, positions, DynamicCache(config=model.config))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with kvstack.applied(model, _gqa(1)):
+        cache = kvstack.cache_for(model)
+        ours = run_pieces(model, ids, None, positions, cache)
+        assert model.config.num_key_value_heads == 1
+        assert all(layer.full.keys.shape[1] == 1 for layer in cache.layers)
+    assert (ours - reference).abs().max().item() <= tol64(arch)
+    assert model.config.num_key_value_heads == 2  # remove restored the model exactly
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", GQA_ARCHS)
+def test_gqa_align_converts_and_generates(arch):
+    model = tiny_model(arch)
+    distinct_norms_and_identical_kv_heads(model)
+    calibration = [torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(6))
+    with kvstack.applied(model, _gqa(1, "align"), calibration=calibration):
+        cache = kvstack.cache_for(model)
+        out = model.generate(ids, cache=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, output_logits=True)
+        assert all(layer.full.keys.shape[1] == 1 for layer in cache.layers)
+    assert out.sequences.shape == (1, 16) and all(torch.isfinite(step).all() for step in out.logits)
+
+
+@pytest.mark.parametrize("arch", list(GQA_REFUSED))
+def test_gqa_refusal_says_why_and_leaves_the_model_alone(arch):
+    model = tiny_model(arch, dtype=torch.float64)
+    implementation = model.config._attn_implementation
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    with pytest.raises(kvstack.UnsupportedModelError, match=GQA_REFUSED[arch]):
+        kvstack.apply(model, _gqa(1))
+    assert untouched(model, implementation)
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(modules[name] is module for name, module in model.named_modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    if arch in ("olmo2", "olmo3"):  # keeping every head merges nothing: allowed, and the identity
+        ids = torch.randint(3, 128, (1, 26), generator=torch.Generator().manual_seed(7))
+        positions = torch.arange(26)[None]
+        reference = run_pieces(model, ids, None, positions, DynamicCache(config=model.config))
+        with kvstack.applied(model, _gqa(2, "align"), calibration=[ids[0]]):
+            ours = run_pieces(model, ids, None, positions, kvstack.cache_for(model))
+        assert (ours - reference).abs().max().item() <= tol64(arch)

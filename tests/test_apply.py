@@ -177,3 +177,65 @@ def test_memory_report_breaks_down_by_layer_and_tier():
     # the identity stack pays only for positions: one int32 per token and row
     assert report["total_bytes"] - report["full_cache_bytes"] == 2 * 12 * 4 * len(cache.layers)
 
+
+
+# ------------------------------------------------------------------------ mask overlays (multimodal / token types)
+def _with_overlay(monkeypatch, module, name: str, **overlay) -> None:
+    """Make the model's mask creation compose ``overlay`` (or_mask_function / and_mask_function) into its mask, as
+    multimodal models do for image tokens."""
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: real(*args, **{**kwargs, **overlay}))
+
+
+def _image_block(batch_idx, head_idx, q_idx, kv_idx):
+    """The first 4 tokens (an 'image') see each other both ways."""
+    return (q_idx < 4) & (kv_idx < 4)
+
+
+@pytest.mark.parametrize("arch, creator, plain", [
+    ("llama", "create_causal_mask", "causal"),
+    ("mistral", "create_sliding_window_causal_mask", "causal within a sliding window of 8"),
+])
+def test_a_mask_overlay_is_refused_with_a_stack_cache_and_kept_without(monkeypatch, arch, creator, plain):
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+
+    module = modeling_llama if arch == "llama" else modeling_mistral
+    model = tiny_model(arch)
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    causal = model(ids).logits
+    _with_overlay(monkeypatch, module, creator, or_mask_function=_image_block)
+    overlaid = model(ids).logits
+    assert not torch.allclose(overlaid[:, :4], causal[:, :4])  # the overlay acts (else this test could not fail)
+    with kvstack.applied(model, "identity"):
+        with pytest.raises(CacheUsageError, match=f"attention mask is not {plain}: .*or_mask_function / "
+                                                  "and_mask_function.*without a KVStackCache"):
+            model(ids, cache=kvstack.cache_for(model))
+        assert torch.equal(model(ids, use_cache=False).logits, overlaid)  # the original attention applies it
+
+
+def test_an_overlay_that_changes_nothing_runs(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with kvstack.applied(model, "identity"):
+        reference = model(ids, cache=kvstack.cache_for(model)).logits
+        _with_overlay(monkeypatch, modeling_llama, "create_causal_mask",
+                      and_mask_function=lambda b, h, q, kv: kv >= 0)  # every key allowed: the causal mask stays
+        assert torch.equal(model(ids, cache=kvstack.cache_for(model)).logits, reference)
+
+
+def test_plain_masks_are_recognised_without_building_them(monkeypatch):
+    """No overlay: nothing is evaluated (a long prompt would otherwise build a queries x keys mask per forward)."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from kvstack.stack import attention
+
+    monkeypatch.setattr(attention, "sdpa_mask", lambda **kwargs: pytest.fail("a plain mask was built"))
+    sizes = dict(batch_size=1, q_length=10**6, kv_length=10**6)
+    assert not attention.mask_overlay_acts({**sizes, "mask_function": causal_mask_function})
+    sliding = sliding_window_causal_mask_function(8)
+    assert not attention.mask_overlay_acts({**sizes, "mask_function": sliding, "local_size": 8})
+    assert attention._is_plain(sliding, 8) and not attention._is_plain(sliding, 16)
+    assert not attention._is_plain(causal_mask_function, 8) and not attention._is_plain(sliding, None)

@@ -1,4 +1,4 @@
-"""The command line: presets, show, validate, schema, generate."""
+"""The command line: presets, show, validate, schema, generate, and bench's devices and Hub ids."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_generate_hub_id_offline_is_a_clear_error():
                            env={"HF_HUB_OFFLINE": "1"})
     assert result.exit_code == 2, result.output
     message = _flat(result.output)
-    assert "--model 'kvstack-tests/no-such-model' is not a local path" in message and "offline" in message
+    assert "--model: model 'kvstack-tests/no-such-model' is not a local path" in message and "offline" in message
     assert "a local Hugging Face directory or a .gguf file works offline" in message
     # something path-like that does not exist is a missing path, not a Hub id
     result = runner.invoke(app, ["generate", "--model", "../no/such/dir", "--prompt", PROMPT],
@@ -205,3 +205,79 @@ def test_schema_format_is_a_choice(tmp_path):
     assert out.read_text().startswith("#")
     result = runner.invoke(app, ["schema", "--format", "xml"])
     assert result.exit_code == 2 and "'xml' is not one of 'json', 'markdown'" in _flat(result.output)
+
+
+# ------------------------------------------------------------------------------------- bench: devices and Hub ids
+def _bench(tmp_path, model: str, *args: str, **invoke):
+    data = tmp_path / "passages.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time there was a girl."}) + "\n")
+    base = ["bench", "--model", model, "--data", str(data), "--presets", "identity", "--out", str(tmp_path / "out"),
+            "--passages", "1", "--no-progress"]
+    return runner.invoke(app, base + list(args), **invoke)
+
+
+@pytest.mark.parametrize("protocol", ["prefill", "code-kl"])
+def test_bench_hub_id_offline_is_a_clear_error(tmp_path, protocol):
+    result = _bench(tmp_path, "kvstack-tests/no-such-model", "--protocol", protocol, env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 2, result.output
+    message = _flat(result.output)
+    assert "--model: model 'kvstack-tests/no-such-model' is not a local path and the Hugging Face Hub is offline " \
+        "(HF_HUB_OFFLINE=1), with no copy of it in the Hub cache" in message
+    assert "a local Hugging Face directory or a .gguf file works offline" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("protocol", ["decode", "code-kl"])
+def test_bench_hub_id_without_a_reachable_hub_fails_at_once(tmp_path, monkeypatch, protocol):
+    """No hub answers (a closed local port stands for it): the cache is tried, then a clear error, without the hub
+    client's minute of retries."""
+    import time
+
+    from huggingface_hub import constants
+
+    from kvstack.bench import models
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    for name in models.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not models.hub_reachable()
+    start = time.perf_counter()
+    result = _bench(tmp_path, "kvstack-tests/no-such-model", "--protocol", protocol, "--prefix", "8",
+                    "--decode-prefill", "4")
+    assert result.exit_code == 2, result.output
+    assert "--model: model 'kvstack-tests/no-such-model' is not a local path and the Hugging Face Hub " \
+        "(http://127.0.0.1:9) could not be reached, with no copy of it in the Hub cache" in _flat(result.output)
+    assert time.perf_counter() - start < 30
+
+
+def test_bench_device_is_resolved_before_loading_and_passed_on(tmp_path, monkeypatch):
+    from kvstack import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_run_bench", lambda *args, **kwargs: seen.update(kwargs))
+    assert _bench(tmp_path, str(model_path()), "--device", "auto").exit_code == 0
+    assert seen["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert _bench(tmp_path, str(model_path()), "--device", "CPU").exit_code == 0 and seen["device"] == "cpu"
+    result = _bench(tmp_path, str(model_path()), "--device", "tpu")
+    assert result.exit_code == 2 and "'tpu' is not one of 'auto', 'cpu', 'cuda'" in _flat(result.output)
+    help_text = _flat(runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output)
+    assert "--device <auto|cpu|cuda>" in help_text and "Hugging Face Hub model id" in help_text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_bench_cuda_without_cuda_is_a_clear_error(tmp_path):
+    result = _bench(tmp_path, str(model_path()), "--device", "cuda")
+    assert result.exit_code == 2
+    assert "--device cuda is not available: torch" in result.output and "use --device cpu (or auto)" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_runs_on_the_device_it_is_given(real_model_and_tokenizer, tmp_path):
+    """The model and the passages go to --device (cpu here; the GPU check runs the same command with cuda)."""
+    result = _bench(tmp_path, str(model_path()), "--device", "cpu", "--prefix", "6", "--ratios", "",
+                    "--max-len", "9")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["metadata"]["device"] == "cpu" and data["metadata"]["model_format"] == "hf"
+    identity = next(row for row in data["rows"] if row["name"] == "identity")
+    assert identity["kl"] < 1e-9

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import kvstack
 
 SCORERS = ["window", "key_norm", "value_key_ratio", "h2o", "tova", "snapkv", "obcache", "random"]
+WINDOWED = ("snapkv", "obcache")  # scorers with an observation window (a parameter of theirs only)
 HEAD_WISE_DEFAULT = {"key_norm": True, "h2o": True, "snapkv": True, "obcache": True}
 
 
@@ -48,8 +49,9 @@ def scenarios(draw):
         "every": draw(st.integers(1, 3)),
         "granularity": draw(st.sampled_from(["token", "block"])),
         "block_size": draw(st.sampled_from([2, 4])),
-        "window": 2,
     }
+    if scorer in WINDOWED:
+        stage["window"] = 2
     if draw(st.booleans()):
         stage["head_wise"] = draw(st.booleans())
     if draw(st.booleans()):

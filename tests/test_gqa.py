@@ -168,3 +168,59 @@ def test_gqa_must_be_the_first_stage():
     spec = {"stages": [{"kind": "quantize", "bits": 4, "group_size": 4, "residual": 4}, {"kind": "gqa", "kv_heads": 1}]}
     with pytest.raises(kvstack.SpecError, match=r"stages.1 \(gqa\): kind='gqa' .*first stage only"):
         kvstack.StackSpec.load(spec)
+
+
+def _norm_rows(norm) -> torch.Tensor:
+    """Per-head weights of a query/key norm: Cohere's [heads, d] weight, or StableLM's LayerNorm per head."""
+    return torch.stack([n.weight for n in norm.norms]) if hasattr(norm, "norms") else norm.weight
+
+
+@pytest.mark.parametrize("arch", ["cohere", "stablelm"])
+def test_alignment_regroups_per_head_norms_exactly(arch):
+    """Per-head query/key norm weights follow their heads when ``align`` regroups them (8 query / 4 KV heads, so the
+    grouping permutes heads): exact before merging."""
+    model = tiny_model(arch, dtype=torch.float64, num_attention_heads=8, num_key_value_heads=4)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for attn in attention_modules(model):
+            for norm in (getattr(attn, n, None) for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")):
+                for p in norm.parameters() if norm is not None else ():
+                    p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ids = _ids(16)
+    reference = model(ids).logits
+    inputs = attention_inputs(model, calibration_sequences(_calibration(), "test"))
+    query_norm = "q_norm" if arch == "cohere" else "q_layernorm"
+    before = [_norm_rows(getattr(a, query_norm)).clone() for a in attention_modules(model)]
+    for attn, x in zip(attention_modules(model), inputs):
+        convert_layer(attn, 8, 4, 2, x, pool=False)
+    after = [_norm_rows(getattr(a, query_norm)) for a in attention_modules(model)]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))  # heads were permuted, their norms with them
+    assert all(sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist())) for a, b in zip(after, before))
+    torch.testing.assert_close(model(ids).logits, reference, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("value_heads, why", [(3, "does not run after its KV heads were converted"),
+                                               (2, "layer 0 of LlamaForCausalLM stores keys of 1 and values of 2")])
+def test_a_conversion_left_wrong_is_refused_at_apply_and_undone(monkeypatch, value_heads, why):
+    """The dry run: a conversion that does not run (3 value heads for 4 query heads), or runs but stores other than
+    the new KV heads (2 value heads: the model's sdpa accepts them), is refused by apply, the model restored."""
+    from kvstack.stages import gqa
+
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = _ids(10)
+    reference = model(ids).logits
+    modules = dict(model.named_modules())
+    real = gqa.convert_layer
+
+    def values_left_wrong(attn, *args, **kwargs):
+        real(attn, *args, **kwargs)
+        attn.v_proj = torch.nn.Linear(attn.v_proj.in_features, value_heads * attn.head_dim, bias=False,
+                                      dtype=torch.float64)
+
+    monkeypatch.setattr(gqa, "convert_layer", values_left_wrong)
+    with pytest.raises(kvstack.UnsupportedModelError, match=f"gqa: .*{why}.*the model is restored"):
+        kvstack.apply(model, _gqa(1))
+    assert model.config.num_key_value_heads == 2 and model.config._attn_implementation == "sdpa"
+    assert all(modules[name] is module for name, module in model.named_modules())
+    assert all(a.num_key_value_groups == 2 for a in attention_modules(model))
+    torch.testing.assert_close(model(ids).logits, reference, rtol=0, atol=0)

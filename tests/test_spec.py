@@ -82,7 +82,9 @@ def test_unknown_stage_kind_lists_the_kinds():
 
 def test_unknown_field_is_named():
     message = error_of({"budget": {"tokens": 64}, "stages": [{"kind": "evict", "n_sinks": 4}]})
-    assert "n_sinks" in message and "Extra inputs are not permitted" in message
+    assert "stages.0.evict.n_sinks: n_sinks=4 is not allowed" in message and "did you mean 'n_sink'" in message
+    message = error_of({"stages": [{"kind": "quantize", "bitz": 4}]})  # a stage without a scorer: pydantic's words
+    assert "stages.0.quantize.bitz" in message and "Extra inputs are not permitted" in message
 
 
 def test_wrong_type_is_named():

@@ -191,7 +191,7 @@ def run_bench(
     from tqdm.auto import tqdm
 
     check_protocol(protocol_name, prefix, decode_prefill)
-    ids_list = [torch.tensor(tokenizer(text)["input_ids"][:max_len]) for text in passages]
+    ids_list = protocol.passage_ids(model, tokenizer, passages, max_len)
     for i, ids in enumerate(ids_list):
         if ids.shape[0] <= prefix:
             raise ValueError(
@@ -272,6 +272,7 @@ def run_bench(
         "ratios": list(ratios),
         "ratio_override": "stack budget := {ratio: r}; stage-level budgets dropped (kvstack.bench.harness.with_ratio)",
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
         "baselines": {"full_cache": "transformers DynamicCache", "quantized_cache": backend_status},
         "versions": {
             "kvstack": kvstack.__version__,
@@ -284,7 +285,7 @@ def run_bench(
 
 
 def bench(
-    model_path: str | Path,
+    model_source: str | Path,
     data_path: str | Path,
     presets: list[str],
     out: str | Path,
@@ -295,23 +296,27 @@ def bench(
     prefix: int = 384,
     max_len: int = 512,
     decode_prefill: int = 16,
+    device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> BenchResult:
-    """Load the model and passages, :func:`run_bench`, and write ``results.json`` and the plot into ``out`` (the plot
-    needs matplotlib: ``pip install kvstack[plot]``; without it the JSON and the table are still written)."""
-    model_path, data_path, out = Path(model_path), Path(data_path), Path(out)
+    """Load the model (float32 on ``device``: an HF directory, a GGUF file or a Hub id,
+    :func:`kvstack.bench.models.load_causal_lm`) and passages, :func:`run_bench`, and write ``results.json`` and the
+    plot into ``out`` (the plot needs matplotlib: ``pip install kvstack[plot]``; without it the JSON and the table
+    are still written)."""
+    from . import models
+
+    data_path, out = Path(data_path), Path(out)
     check_protocol(protocol_name, prefix, decode_prefill)  # option errors before the model loads
     preset_runs(presets, ratios)
     texts = protocol.load_passages(data_path, passages)
     if len(texts) < passages:
         raise ValueError(f"passages={passages} is not allowed: {data_path} holds only {len(texts)} passages")
-    model, tokenizer = protocol.load_model(model_path)
+    model, tokenizer = models.load_causal_lm(model_source, dtype=torch.float32, device=device)
     result = run_bench(
         model, tokenizer, texts, presets, ratios=ratios, protocol_name=protocol_name, prefix=prefix, max_len=max_len,
         decode_prefill=decode_prefill, progress=progress,
     )
-    paths = {"model": model_path.name, "model_path": str(model_path), "data": str(data_path)}
-    result.metadata = paths | result.metadata
+    result.metadata = models.describe_source(model_source) | {"data": str(data_path)} | result.metadata
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     try:
@@ -319,7 +324,7 @@ def bench(
     except ImportError:
         print(f"no plot: matplotlib is not installed (pip install 'kvstack[plot]'); wrote {out / RESULTS_FILE}")
         return result
-    title = f"{model_path.name}, {len(texts)} passages, protocol {result.metadata['protocol']}"
+    title = f"{result.metadata['model']}, {len(texts)} passages, protocol {result.metadata['protocol']}"
     plot_quality_vs_memory([row.as_dict() for row in result.rows], out / PLOT_FILE, title=title)
     return result
 

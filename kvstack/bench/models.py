@@ -1,5 +1,6 @@
-"""Load a causal LM for kvstack's benchmarks and CLI: a Hugging Face directory, or a GGUF file (or a directory holding
-exactly one ``.gguf``).
+"""Load a causal LM for kvstack's benchmarks and CLI: a Hugging Face directory, a GGUF file (or a directory holding
+exactly one ``.gguf``), or a Hugging Face Hub model id (downloaded when a hub is reachable, read from the Hub cache
+only under ``HF_HUB_OFFLINE=1``, a clear :class:`ModelLoadError` otherwise).
 
 GGUF goes through transformers' own GGUF support (the PyPI packages ``gguf`` and ``accelerate``:
 ``pip install -e '.[gguf]'``), which dequantizes every weight — slow (10-30 s on 2 CPU cores). So that happens ONCE:
@@ -180,13 +181,109 @@ def default_dtype(hf_dir: Path) -> torch.dtype | str:
     return "auto"
 
 
-def load_causal_lm(source: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer) from an HF directory, a ``.gguf`` file or a directory holding one ``.gguf``.
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE as set now (huggingface_hub reads them once, at its import)."""
+    from huggingface_hub import constants
 
-    A GGUF file is converted once into the cache (see the module docstring); ``dtype`` defaults to bfloat16 for it
-    and to the config's dtype for an HF directory."""
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(str(f).upper() in ("1", "ON", "YES", "TRUE") for f in flags if f)
+
+
+def hub_id(source: str | Path) -> str | None:
+    """``source`` as a Hugging Face Hub model id: it names no local path, does not look like one (``./``, ``/``,
+    ``~``, ``.gguf``) and has the form ``name`` or ``namespace/name``; else None."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    model = str(source)
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.lower().endswith(".gguf"):
+        return None
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return None
+    return model
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's endpoint opens within ``timeout`` seconds (assumed True behind a proxy,
+    which a direct connection cannot test). An unreachable Hub then fails at once, instead of after the hub
+    client's retries (about a minute)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return True
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout):
+            return True
+    except OSError:
+        return False
+
+
+def load_hub_model(model_id: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer) from the Hub, or from its local cache only when the Hub is offline
+    (``HF_HUB_OFFLINE=1``) or cannot be reached; :class:`ModelLoadError` naming the id and the offline ways when
+    that fails."""
+    from huggingface_hub import constants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = parse_dtype(dtype)
+    offline = hub_offline()
+    reachable = not offline and hub_reachable()
+    options = {} if reachable else {"local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **options)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype or "auto", **options)
+    except Exception as err:  # OSError from the hub client, ValueError for an unknown architecture, ...
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        ways = "a local Hugging Face directory or a .gguf file works offline"
+        if offline:
+            raise ModelLoadError(
+                f"model {model_id!r} is not a local path and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1), with "
+                f"no copy of it in the Hub cache: {ways}, or unset HF_HUB_OFFLINE to download it"
+            ) from err
+        if not reachable:
+            raise ModelLoadError(
+                f"model {model_id!r} is not a local path and the Hugging Face Hub ({constants.ENDPOINT}) could not be "
+                f"reached, with no copy of it in the Hub cache: {ways}"
+            ) from err
+        if "connect" in detail.lower() or "offline" in detail.lower():
+            raise ModelLoadError(
+                f"model {model_id!r} is not a local path and the Hugging Face Hub could not be reached ({detail}): "
+                f"{ways}"
+            ) from err
+        raise ModelLoadError(
+            f"model {model_id!r} is not a local path, and loading it from the Hugging Face Hub failed: "
+            f"{type(err).__name__}: {detail}"
+        ) from err
+    return model.to(device).eval(), tokenizer
+
+
+def describe_source(source: str | Path) -> dict:
+    """What a run's metadata says about its model: the Hub id, or the local source (:meth:`ModelSource.describe`)."""
+    model_id = hub_id(source)
+    if model_id is not None:
+        return {"model": model_id, "model_format": "hub"}
+    return resolve_source(source).describe()
+
+
+def load_causal_lm(source: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """(model in eval mode on ``device``, tokenizer) from an HF directory, a ``.gguf`` file, a directory holding one
+    ``.gguf``, or a Hub model id (:func:`hub_id`, :func:`load_hub_model`).
+
+    A GGUF file is converted once into the cache (see the module docstring); ``dtype`` defaults to bfloat16 for it
+    and to the config's dtype for an HF directory or a Hub model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_id = hub_id(source)
+    if model_id is not None:
+        return load_hub_model(model_id, dtype, device)
     dtype = parse_dtype(dtype)
     hf_dir = ensure_hf_dir(source)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype or default_dtype(hf_dir))

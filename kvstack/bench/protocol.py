@@ -44,6 +44,12 @@ def load_passages(path: str | Path | None = None, n: int | None = 32) -> list[st
     return texts[:n] if n else texts
 
 
+def passage_ids(model, tokenizer, passages: list[str], max_len: int) -> list[torch.Tensor]:
+    """Each passage's first ``max_len`` token ids, on the model's device."""
+    device = next(model.parameters()).device
+    return [torch.tensor(tokenizer(text)["input_ids"][:max_len], device=device) for text in passages]
+
+
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,15 +102,22 @@ def compressed_logprobs(
     first = decode_prefill if protocol == "decode" else prefix
     out = model(ids[None, :first], **{name: cache})
     for p in range(first, prefix):
-        out = model(ids[None, p : p + 1], position_ids=torch.tensor([[p]]), **{name: cache})
+        out = model(ids[None, p : p + 1], position_ids=torch.tensor([[p]], device=ids.device), **{name: cache})
     rows = [out.logits[0, -1]]
     memory = cache.memory_bytes() if hasattr(cache, "memory_bytes") else _dynamic_bytes(cache)
+    _sync(ids.device)
     start = time.perf_counter()
     for p in range(prefix, ids.shape[0] - 1):
-        out = model(ids[None, p : p + 1], position_ids=torch.tensor([[p]]), **{name: cache})
+        out = model(ids[None, p : p + 1], position_ids=torch.tensor([[p]], device=ids.device), **{name: cache})
         rows.append(out.logits[0, -1])
+    _sync(ids.device)  # CUDA runs asynchronously: the time is the forwards', not their launches'
     seconds = time.perf_counter() - start
     return torch.log_softmax(torch.stack(rows).double(), dim=-1), memory, seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _dynamic_bytes(cache) -> int:
@@ -148,7 +161,7 @@ def evaluate(
     from kvstack.stack.memory import full_cache_bytes
     from transformers import DynamicCache
 
-    ids_list = [torch.tensor(tokenizer(text)["input_ids"][:max_len]) for text in passages]
+    ids_list = passage_ids(model, tokenizer, passages, max_len)
     if references is None:
         references = reference_set(model, ids_list, prefix)
     # the uncompressed reference is the model as loaded (before any GQA conversion the stack performs)

@@ -161,6 +161,7 @@ def _metadata(model, presets, ratios, **settings) -> dict:
         "ratios": list(ratios),
         "ratio_override": "stack budget := {ratio: r}; stage-level budgets dropped (kvstack.bench.harness.with_ratio)",
         "model_dtype": str(models.model_dtype(model)).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "baseline": f"{FULL_CACHE}: transformers DynamicCache",
         "versions": {
@@ -388,13 +389,14 @@ def code_kl(
     prefix: int = CODE_PREFIX,
     max_len: int = CODE_MAX_LEN,
     dtype=None,
+    device: str | torch.device = "cpu",
     threads: int | None = None,
     progress: bool = True,
 ) -> RealModelResult:
-    """Load the model (:func:`kvstack.bench.models.load_causal_lm`) and passages, :func:`run_code_kl`, and write
-    ``code_kl.json`` and ``code_kl_quality_vs_memory.png`` into ``out``."""
+    """Load the model (:func:`kvstack.bench.models.load_causal_lm`: a local path or a Hub id, on ``device``) and
+    passages, :func:`run_code_kl`, and write ``code_kl.json`` and ``code_kl_quality_vs_memory.png`` into ``out``."""
     presets = list(presets)
-    model_source = Path(model_source) if model_source is not None else model_path()
+    model_source = model_source if model_source is not None else model_path()
     data = Path(data) if data is not None else code_data_path()
     _check_presets(presets, ratios)
     if not 0 < prefix < max_len:
@@ -403,10 +405,10 @@ def code_kl(
     if len(texts) < passages:
         raise ValueError(f"passages={passages} is not allowed: {data} holds only {len(texts)} passages")
     with _threads(threads):
-        model, tokenizer = models.load_causal_lm(model_source, dtype=dtype)
+        model, tokenizer = models.load_causal_lm(model_source, dtype=dtype, device=device)
         result = run_code_kl(model, tokenizer, texts, presets, ratios=ratios, prefix=prefix, max_len=max_len,
                              progress=progress)
-    result.metadata = models.resolve_source(model_source).describe() | {"data": str(data)} | result.metadata
+    result.metadata = models.describe_source(model_source) | {"data": str(data)} | result.metadata
     result.files["json"] = str(_write(result, out, CODE_KL_FILE))
     try:
         from .plot import plot_quality_vs_memory
@@ -600,13 +602,15 @@ def needle(
     ratios=DEFAULT_RATIOS,
     max_new_tokens: int = NEEDLE_NEW_TOKENS,
     dtype=None,
+    device: str | torch.device = "cpu",
     threads: int | None = None,
     progress: bool = True,
 ) -> RealModelResult:
-    """Load the model and tasks, :func:`run_needle`, and write ``needle.json`` and
-    ``needle_accuracy_vs_memory.png`` into ``out``. 8000-token tasks run only with ``include_8k``."""
+    """Load the model (a local path or a Hub id, on ``device``) and tasks, :func:`run_needle`, and write
+    ``needle.json`` and ``needle_accuracy_vs_memory.png`` into ``out``. 8000-token tasks run only with
+    ``include_8k``."""
     presets = list(presets)
-    model_source = Path(model_source) if model_source is not None else model_path()
+    model_source = model_source if model_source is not None else model_path()
     data = Path(data) if data is not None else needle_data_path()
     _check_presets(presets, ratios)
     lengths = [int(n) for n in lengths]
@@ -622,10 +626,10 @@ def needle(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is not allowed: at least 1")
     with _threads(threads):
-        model, tokenizer = models.load_causal_lm(model_source, dtype=dtype)
+        model, tokenizer = models.load_causal_lm(model_source, dtype=dtype, device=device)
         result = run_needle(model, tokenizer, tasks, presets, ratios=ratios, max_new_tokens=max_new_tokens,
                             progress=progress)
-    result.metadata = models.resolve_source(model_source).describe() | {"data": str(data)} | result.metadata
+    result.metadata = models.describe_source(model_source) | {"data": str(data)} | result.metadata
     result.files["json"] = str(_write(result, out, NEEDLE_FILE))
     try:
         path = plot_accuracy_vs_memory([r.as_dict() for r in result.rows], Path(out) / NEEDLE_PLOT,

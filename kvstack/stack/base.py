@@ -78,6 +78,18 @@ class StageSpec(BaseModel):
         """Fields that do not act with this stage's other settings (``kvstack show`` leaves them out)."""
         return set()
 
+    def override_names(self) -> set[str]:
+        """Names ``StackSpec.with_overrides`` sets on this stage: its fields (a stage with a scorer adds the
+        scorer's parameters)."""
+        return set(type(self).model_fields)
+
+    def apply_overrides(self, dumped: dict, overrides: dict) -> set[str]:
+        """Write the ``overrides`` this stage takes into its ``model_dump`` form (``StackSpec.with_overrides``
+        validates the result like YAML); returns the names it took."""
+        taken = self.override_names() & set(overrides)
+        dumped.update({name: overrides[name] for name in taken})
+        return taken
+
     def prefill_chunk(self) -> int | None:
         """Longest prompt piece this stage wants per forward (None: any). ``kvstack.apply`` splits longer
         forwards into pieces so the stage can compress between them and peak memory stays bounded."""

@@ -6,7 +6,6 @@ stage spec, so ``StackSpec.model_json_schema()`` describes every preset file an 
 
 from __future__ import annotations
 
-import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Union
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from .base import Budget, StageSpec
-from .errors import SpecError
+from .errors import FIELD_ERRORS, SpecError, did_you_mean
 from .memory import MemoryPlan
 from .registry import on_change, stage_specs
 from .shape import ModelShape
@@ -115,8 +114,9 @@ class StackSpec(BaseModel):
 
     def with_overrides(self, **overrides: Any) -> "StackSpec":
         """A copy with fields replaced, validated like YAML: spec fields (``budget``, ``prefill_chunk``, ``name``,
-        ...) by name, and any other name on every stage that declares it (``n_sink=8``, ``bits=2``); a name no
-        stage declares is an error. ``budget`` also takes a number: a ratio if < 1 (or a float), tokens if an int."""
+        ...) by name, and any other name on every stage that declares it (``n_sink=8``, ``bits=2``, a scorer's
+        ``window=16``); a name no stage declares is an error. ``budget`` also takes a number: a ratio if < 1 (or a
+        float), tokens if an int."""
         data = self.model_dump(mode="json", exclude_none=True)
         origin = f"{self.name!r} with overrides {', '.join(sorted(overrides))}"
         budget = overrides.pop("budget", None)
@@ -131,19 +131,23 @@ class StackSpec(BaseModel):
             elif isinstance(budget, int):
                 budget = {"tokens": budget}
             data["budget"] = budget
+        staged = {}
         for name, value in overrides.items():
             if name in StackSpec.model_fields:
                 data[name] = value
-                continue
-            owners = [d for st, d in zip(self.stages, data.get("stages", [])) if name in type(st).model_fields]
-            if not owners:
-                known = sorted({f for st in self.stages for f in type(st).model_fields} | set(StackSpec.model_fields))
+            else:
+                staged[name] = value
+        taken = set()
+        for stage, dumped in zip(self.stages, data.get("stages", [])):
+            taken |= stage.apply_overrides(dumped, staged)
+        for name, value in staged.items():
+            if name not in taken:
+                known = sorted({n for st in self.stages for n in st.override_names()} | set(StackSpec.model_fields))
                 raise SpecError(
-                    f"{name}={value!r} is not allowed: no stage of {self.name!r} has a field {name!r}"
+                    f"{name}={value!r} is not allowed: no stage of {self.name!r} has a field or scorer "
+                    f"parameter {name!r}"
                     f"{did_you_mean(name, known)}; fields: {', '.join(known)}"
                 )
-            for dumped in owners:
-                dumped[name] = value
         return StackSpec._validate(data, origin)
 
     def to_yaml(self) -> str:
@@ -207,12 +211,6 @@ def _refresh_stage_union() -> None:
 on_change(_refresh_stage_union)
 
 
-def did_you_mean(name: str, choices) -> str:
-    """' (did you mean 'x'?)' for a misspelt name, else ''."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _check_stage_kinds(data: dict, origin: str) -> None:
     """A stage without ``kind`` or with an unknown one, named by its index, before pydantic's discriminator speaks."""
     stages = data.get("stages")
@@ -241,6 +239,9 @@ def describe_errors(err: ValidationError) -> str:
             lines.append(f"  {msg}")
             continue
         loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == FIELD_ERRORS:  # a model check naming its fields (the values are in the messages)
+            lines += [f"  {loc}.{path}: {text}" for path, text in e["ctx"]["lines"]]
+            continue
         lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
 

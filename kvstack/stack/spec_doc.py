@@ -80,4 +80,24 @@ def render() -> str:
     for kind, spec in stage_specs().items():
         doc = " ".join((spec.__doc__ or "").split())
         out += ["", f"## Stage `kind: {kind}`", "", doc, "", model_table(spec)]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + scorer_sections()) + "\n"
+
+
+def scorer_sections() -> list[str]:
+    """A section per scorer: what it scores (the first line of its module's docstring) and its ``Params``."""
+    import sys
+
+    from kvstack.stages.scorers import get_scorer, scorer_names
+
+    out = [
+        "", "## Scorers", "",
+        "The `scorer` of `evict` and `quantized_prune`, and its parameters, given in `scorer_params` (the form "
+        "`kvstack show` prints) or as keys next to `scorer` that are not fields of the stage. A parameter the "
+        "scorer does not have is an error.",
+    ]
+    for name in scorer_names():
+        scorer = get_scorer(name)
+        doc = scorer.__dict__.get("__doc__") or sys.modules[scorer.__module__].__doc__ or ""
+        out += ["", f"### `scorer: {name}`", "", doc.strip().split("\n")[0], ""]
+        out.append(model_table(scorer.Params) if scorer.Params.model_fields else "No parameters.")
+    return out

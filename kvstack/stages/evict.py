@@ -45,7 +45,7 @@ from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
 
 
 @register_stage
-class EvictSpec(StageSpec, ScorerOptions):
+class EvictSpec(ScorerOptions, StageSpec):
     """Evict tokens by a scoring policy to a budget."""
 
     kind: Literal["evict"] = "evict"
@@ -79,7 +79,7 @@ class EvictSpec(StageSpec, ScorerOptions):
         return True
 
     def inactive_options(self) -> set[str]:
-        inactive = self.scorer_inactive_options()
+        inactive = super().inactive_options()
         if self.granularity == "token":
             inactive |= {"block_size", "aggregate"}
         if self.schedule == "uniform":

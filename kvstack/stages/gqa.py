@@ -21,9 +21,17 @@ Methods (training-free; the papers uptrain afterwards, we do not):
      query head reading that KV head become ``W_o R``, so the attention output is unchanged;
   3. keys: each RoPE plane (channels ``i, i + d/2``) of a head is rotated by its own 2-D rotation (Kabsch, det +1),
      applied to ``k_proj`` and to the ``q_proj`` rows of the query heads reading it. 2-D rotations in RoPE's own
-     planes commute with RoPE, so every ``q·k`` is unchanged. Skipped for models with ``q_norm``/``k_norm``
-     (Qwen3, Gemma3), whose per-channel norm weights do not commute with the rotation.
+     planes commute with RoPE, so every ``q·k`` is unchanged. Skipped for models with query/key norms (Qwen3,
+     Gemma3, Cohere, StableLM), whose per-channel norm weights do not commute with the rotation.
   Then the aligned heads are mean-pooled as in ``mean``.
+
+Query/key norms (``q_norm``/``k_norm``, StableLM's ``q_layernorm``/``k_layernorm``) follow their heads: one weight
+shared by every head (Qwen3, Gemma3) stays; per-head weights (Cohere's ``[heads, head_dim]`` LayerNorm, StableLM's
+one LayerNorm per head) are regrouped with their heads and mean-pooled like the projections (exact when the merged
+heads are identical). A norm over the whole projection (OLMo2, OLMo3: one RMS statistic over every KV head's
+channels) is refused when heads merge: each head is divided by a statistic of all of them, so no per-group pooling
+reproduces it. The converted model runs one two-token forward into a ``DynamicCache`` before ``apply`` returns: a
+conversion that does not run, or stores other than ``kv_heads`` heads, is refused there, with the model restored.
 
 Parameters: ``kv_heads`` (must divide the model's KV-head count), ``method`` (``mean`` | ``align``; ``align``
 needs ``calibration``, see ``kvstack/stages/_calibration.py`` for its format).
@@ -31,6 +39,7 @@ needs ``calibration``, see ``kvstack/stages/_calibration.py`` for its format).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import ClassVar, Literal
 
@@ -38,6 +47,7 @@ import torch
 from pydantic import Field
 
 from kvstack.stack.base import StageSpec, spec_error
+from kvstack.stack.errors import UnsupportedModelError
 from kvstack.stack.memory import full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -90,24 +100,150 @@ class GQASpec(StageSpec):
         mods = attention_modules(model)
         config = model.config
         old_kv = config.num_key_value_heads
+        for m in mods:  # refusals before anything is touched
+            check_convertible(m, config.num_attention_heads, old_kv, self.kv_heads)
         inputs = None
         if self.method == "align":
             inputs = attention_inputs(model, calibration_sequences(calibration, "gqa method=align"))
-        saved = [(m, m.q_proj, m.k_proj, m.v_proj, m.o_proj, m.num_key_value_groups) for m in mods]
+        saved = [(m, {name: getattr(m, name) for name in SURGERY_ATTRS if hasattr(m, name)}) for m in mods]
 
         def undo() -> None:
-            for m, q, k, v, o, groups in saved:
-                m.q_proj, m.k_proj, m.v_proj, m.o_proj, m.num_key_value_groups = q, k, v, o, groups
+            for m, attrs in saved:
+                for name, value in attrs.items():
+                    setattr(m, name, value)
             config.num_key_value_heads = old_kv
 
         try:
             for i, m in enumerate(mods):
                 convert_layer(m, config.num_attention_heads, old_kv, self.kv_heads, None if inputs is None else inputs[i])
             config.num_key_value_heads = self.kv_heads
+            dry_run(model, self.kv_heads)
         except BaseException:
             undo()
             raise
         return undo
+
+
+#: attention-module attributes the conversion replaces (and ``undo`` puts back)
+SURGERY_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "num_key_value_groups", "num_key_value_heads", "q_norm",
+                 "k_norm", "q_layernorm", "k_layernorm")
+#: (query norm, key norm) attribute names of the attention modules transformers ships
+QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+
+
+def head_norms(attn) -> tuple:
+    """The attention module's (query norm, key norm) modules, each None when absent."""
+    for q_name, k_name in QK_NORMS:
+        q_norm, k_norm = getattr(attn, q_name, None), getattr(attn, k_name, None)
+        if q_norm is not None or k_norm is not None:
+            return q_norm, k_norm
+    return None, None
+
+
+def norm_layout(norm, heads: int, d: int) -> str:
+    """How a query/key norm treats heads: ``shared`` (one ``[d]`` weight, or none, applied per head), ``per_head``
+    (weights ``[heads, d]``), ``list`` (one norm module per head), ``whole`` (one norm over all ``heads * d``
+    channels: its statistic mixes heads) or ``unknown``."""
+    norms = getattr(norm, "norms", None)
+    if isinstance(norms, torch.nn.ModuleList):
+        return "list" if len(norms) == heads and all(norm_layout(n, 1, d) == "shared" for n in norms) else "unknown"
+    shapes = {tuple(p.shape) for p in norm.parameters(recurse=False)}
+    if any(True for _ in norm.children()):
+        return "unknown"
+    if not shapes or shapes == {(d,)}:
+        return "shared"
+    if shapes == {(heads, d)}:
+        return "per_head"
+    if shapes == {(heads * d,)}:
+        return "whole"
+    return "unknown"
+
+
+def check_convertible(attn, q_heads: int, old_kv: int, new_kv: int) -> None:
+    """Refuse, before any change, an attention module this conversion would break: a key norm over the whole
+    projection when heads merge, a norm of a layout it does not know, or parameters it would not convert."""
+    if new_kv == old_kv:
+        return
+    where = f"gqa: layer {attn.layer_idx}"
+    d = attn.head_dim
+    own = {"q_proj", "k_proj", "v_proj", "o_proj", *(n for pair in QK_NORMS for n in pair)}
+    for name, child in attn.named_children():
+        if name not in own and any(True for _ in child.parameters()):
+            raise UnsupportedModelError(
+                f"{where}'s attention holds {name!r} ({type(child).__name__}) with parameters; the conversion only "
+                "knows q/k/v/o projections and query/key norms, so it cannot merge its heads"
+            )
+    q_norm, k_norm = head_norms(attn)
+    for label, norm, heads in (("query", q_norm, q_heads), ("key", k_norm, old_kv)):
+        if norm is None:
+            continue
+        layout = norm_layout(norm, heads, d)
+        if layout == "whole" and label == "key":
+            raise UnsupportedModelError(
+                f"{where}: its key norm ({type(norm).__name__}) normalises all {heads} KV heads together, one "
+                f"statistic over {heads} x {d} channels (as OLMo2 and OLMo3 do): every head is divided by a "
+                f"statistic of all of them, so merging heads by groups cannot reproduce it; kv_heads={new_kv} is "
+                f"not allowed for this model, only its own {old_kv} (no merging)"
+            )
+        if layout == "unknown":
+            shapes = [tuple(p.shape) for p in norm.parameters()]
+            raise UnsupportedModelError(
+                f"{where}: its {label} norm ({type(norm).__name__}, parameters {shapes}) has a layout the conversion "
+                f"does not know (one weight of {d}, per-head weights [{heads}, {d}], or one norm per head)"
+            )
+
+
+def regrouped_norm(norm, heads: int, d: int, order: list[list[int]]):
+    """A copy of a query/key norm for the heads of ``order``: new head i is the mean of old heads ``order[i]`` (one
+    head each: a permutation). Shared norms are returned as they are."""
+    layout = norm_layout(norm, heads, d)
+    if layout == "shared":
+        return norm
+    new = copy.deepcopy(norm)
+    if layout == "list":
+        merged = []
+        for members in order:
+            head = copy.deepcopy(norm.norms[members[0]])
+            for name, p in head.named_parameters(recurse=False):
+                mean = torch.stack([getattr(norm.norms[a], name).detach() for a in members]).mean(0)
+                setattr(head, name, torch.nn.Parameter(mean, requires_grad=p.requires_grad))
+            merged.append(head)
+        new.norms = torch.nn.ModuleList(merged)
+        if hasattr(new, "num_heads"):
+            new.num_heads = len(order)
+        return new
+    for name, p in list(new.named_parameters(recurse=False)):  # per_head [heads, d], or whole [heads * d]
+        blocks = p.detach().reshape(heads, d)
+        rows = torch.stack([blocks[members].mean(0) for members in order])
+        setattr(new, name, torch.nn.Parameter(rows.reshape(-1) if p.ndim == 1 else rows, requires_grad=p.requires_grad))
+    return new
+
+
+@torch.no_grad()
+def dry_run(model, kv_heads: int) -> None:
+    """One two-token forward of the converted model (its own attention) into a ``DynamicCache``: a conversion that
+    fails to run, or stores other than ``kv_heads`` KV heads, is refused at ``apply`` instead of failing at the first
+    generate."""
+    from transformers import DynamicCache
+
+    from kvstack.stack.apply import cache_kwarg
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    try:
+        model(torch.zeros(1, 2, dtype=torch.long, device=device), **{cache_kwarg(model): cache})
+    except Exception as err:
+        raise UnsupportedModelError(
+            f"gqa: {type(model).__name__} does not run after its KV heads were converted ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); the model is restored"
+        ) from err
+    for i, layer in enumerate(cache.layers):
+        stored = (layer.keys.shape[1], layer.values.shape[1])
+        if stored != (kv_heads, kv_heads):
+            raise UnsupportedModelError(
+                f"gqa: after the conversion to {kv_heads} KV heads, layer {i} of {type(model).__name__} stores keys of "
+                f"{stored[0]} and values of {stored[1]} heads; the model is restored"
+            )
 
 
 @torch.no_grad()
@@ -124,7 +260,7 @@ def convert_layer(attn, q_heads: int, old_kv: int, new_kv: int, x: torch.Tensor 
     if x is not None and m > 1:
         keys = project(attn.k_proj, x, old_kv)
         values = project(attn.v_proj, x, old_kv)
-        rotate_keys = not (hasattr(attn, "k_norm") or hasattr(attn, "q_norm"))
+        rotate_keys = head_norms(attn) == (None, None)  # a norm's per-channel weights do not commute with it
         groups = group_heads(keys, values, m, rotate_keys)
         for members in groups:
             for a, r in zip(members, procrustes_group([values[a] for a in members], value_rotation)):
@@ -169,7 +305,17 @@ def convert_layer(attn, q_heads: int, old_kv: int, new_kv: int, x: torch.Tensor 
     attn.q_proj = new_linear(flat(q_rows), flat(q_bias), attn.q_proj)
     o_bias = attn.o_proj.bias.double() if attn.o_proj.bias is not None else None
     attn.o_proj = new_linear(torch.cat(o_cols, dim=1), o_bias, attn.o_proj)
-    attn.num_key_value_groups = q_heads // (new_kv if pool else old_kv)
+    kept = new_kv if pool else old_kv
+    attn.num_key_value_groups = q_heads // kept
+    if hasattr(attn, "num_key_value_heads"):  # StableLM reshapes its keys with it
+        attn.num_key_value_heads = kept
+    key_order = groups if pool else [[a] for members in groups for a in members]
+    query_order = [[h] for members in groups for a in members for h in range(a * group, (a + 1) * group)]
+    for q_name, k_name in QK_NORMS:  # the norms follow their heads
+        if getattr(attn, k_name, None) is not None:
+            setattr(attn, k_name, regrouped_norm(getattr(attn, k_name), old_kv, d, key_order))
+        if getattr(attn, q_name, None) is not None:
+            setattr(attn, q_name, regrouped_norm(getattr(attn, q_name), q_heads, d, query_order))
 
 
 def value_rotation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

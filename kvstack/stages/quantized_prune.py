@@ -67,7 +67,7 @@ class PrecisionTier(BaseModel):
 
 
 @register_stage
-class QuantizedPruneSpec(StageSpec, ScorerOptions):
+class QuantizedPruneSpec(ScorerOptions, StageSpec):
     """Rank tokens with an eviction scorer and store them at a precision that depends on their rank."""
 
     kind: Literal["quantized_prune"] = "quantized_prune"
@@ -86,9 +86,6 @@ class QuantizedPruneSpec(StageSpec, ScorerOptions):
     )
     n_sink: int = Field(default=0, ge=0, description="First real tokens of each row, always in the top tier.")
     recent: int = Field(default=0, ge=0, description="Newest positions, always in the top tier.")
-
-    def inactive_options(self) -> set[str]:
-        return self.scorer_inactive_options()
 
     def keeps_budget(self) -> bool:
         """The ``tiers`` form sizes its levels to the budget in bytes; the ``bits`` short form keeps every token

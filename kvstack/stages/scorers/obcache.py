@@ -19,21 +19,31 @@ computed inside the stack's attention function from the weights and output it al
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from kvstack.stack.stats import StatsRequest
 
-from . import Scorer, aligned, register_scorer
+from . import Scorer, ScorerParams, aligned, register_scorer
 
 
 @register_scorer
 class OBCacheScorer(Scorer):
     name = "obcache"
-    options = ("window", "saliency")
     head_wise = True
 
+    class Params(ScorerParams):
+        window: int = Field(default=32, ge=1, description="Observation window: the last prompt queries whose output "
+                            "change is summed (always kept).")
+        saliency: Literal["joint", "key", "value"] = Field(
+            default="joint", description="Which output change is measured: key and value removed, the key's logit "
+            "perturbed, or the value removed (docs/eviction.md)."
+        )
+
     def key(self) -> tuple[int, str]:
-        return (self.spec.window, self.spec.saliency)
+        return (self.params.window, self.params.saliency)
 
     def request(self, layer, query_length):
         return StatsRequest(saliency=(self.key(),))
@@ -43,4 +53,4 @@ class OBCacheScorer(Scorer):
         return aligned(stats, layer, tier_index, per_tier)
 
     def protected_recent(self) -> int:
-        return self.spec.window
+        return self.params.window

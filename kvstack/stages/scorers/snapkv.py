@@ -9,12 +9,15 @@ always kept. At decode (``phase: always``) the window is the single current quer
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import Field, field_validator
 
 from kvstack.stack.stats import StatsRequest
 
-from . import Scorer, aligned, register_scorer
+from . import Scorer, ScorerParams, aligned, register_scorer
 
 
 def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
@@ -33,16 +36,28 @@ def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
 @register_scorer
 class SnapKVScorer(Scorer):
     name = "snapkv"
-    options = ("window", "kernel", "pooling")
     head_wise = True
 
+    class Params(ScorerParams):
+        window: int = Field(default=32, ge=1, description="Observation window: the last prompt queries whose "
+                            "attention is summed (always kept).")
+        kernel: int = Field(default=7, ge=1, description="Pooling width along the sequence (odd).")
+        pooling: Literal["max", "avg"] = Field(default="max", description="Pooling of the window's attention.")
+
+        @field_validator("kernel")
+        @classmethod
+        def _odd(cls, kernel: int) -> int:
+            if kernel % 2 == 0:
+                raise ValueError("an odd width (the pooling window is centred on its token)")
+            return kernel
+
     def request(self, layer, query_length):
-        return StatsRequest(mass_windows=(self.spec.window,))
+        return StatsRequest(mass_windows=(self.params.window,))
 
     def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
-        w = self.spec.window
+        w = self.params.window
         per_tier = [None if p is None else self.to_kv_heads(layer, stats.mass(i, w)) for i, p in enumerate(stats.key_positions)]
-        return pool(aligned(stats, layer, tier_index, per_tier), self.spec.kernel, self.spec.pooling)
+        return pool(aligned(stats, layer, tier_index, per_tier), self.params.kernel, self.params.pooling)
 
     def protected_recent(self) -> int:
-        return self.spec.window
+        return self.params.window
