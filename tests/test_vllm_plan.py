@@ -38,6 +38,7 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
         (stack(schedule="pyramid"), "stages.0.schedule='pyramid' is not allowed in vLLM: 'uniform'"),
         (stack(every=4), "stages.0.every=4 is not allowed in vLLM: 1"),
         (stack(budget={"tokens": 16}), "budget.tokens=16 is not allowed: at least one block (block_size = 32)"),
+        ({**stack(), "prefill_chunk": 256}, "prefill_chunk=256 is not allowed in vLLM: None"),
     ],
 )
 def test_specs_vllm_cannot_run_are_refused_with_the_field(source, message):

@@ -40,6 +40,7 @@ def engine_run(
     tokenizer: bool = True,
     memory_fraction: float = 0.3,
     tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Greedy outputs of one engine (stock when ``stack`` is None) on ``prompts`` (token ids), in THIS process:
     call it once per process (``run_in_subprocess``). ``memory_fraction`` is vLLM's ``gpu_memory_utilization``
@@ -55,6 +56,7 @@ def engine_run(
         ENGINE_DEFAULTS, dtype=dtype, max_model_len=max_model_len, skip_tokenizer_init=not tokenizer,
         num_gpu_blocks_override=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=memory_fraction, tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if tensor_parallel_size > 1:
         settings["distributed_executor_backend"] = "mp"
@@ -72,7 +74,9 @@ def engine_run(
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     done = time.perf_counter()
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    group = scheduler.kv_cache_config.kv_cache_groups[0]
     result = {
+        "block_bytes": group.kv_cache_spec.page_size_bytes * len(group.layer_names),  # every layer's share
         "load_seconds": loaded - start,
         "generate_seconds": done - loaded,
         "num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
@@ -127,27 +131,37 @@ def benchmark(args) -> dict:
     from kvstack.bench.models import ensure_hf_dir
     from kvstack.bench.real_model import model_path
 
-    hf_dir = ensure_hf_dir(args.model or model_path())
+    source = Path(args.model or model_path())
+    hf_dir = ensure_hf_dir(source)
     lengths = [int(x) for x in args.lengths.split(",")]
     tasks, prompts = _needle_prompts(hf_dir, lengths, args.tasks)
-    stacks = {"stock vLLM": None}
+    engines = {"stock vLLM": (None, "auto")}
     for preset in args.stacks.split(","):
-        stacks[f"{preset} @ {args.budget} tokens"] = _with_budget(preset, args.budget)
+        engines[f"{preset} @ {args.budget} tokens"] = (_with_budget(preset, args.budget), "auto")
+    if args.fp8:  # vLLM's own fp8 KV cache, alone and under each stack
+        for name, (stack, _) in list(engines.items()):
+            engines[f"{name} + fp8 cache"] = (stack, "fp8_e4m3")
     common = dict(model=str(hf_dir), prompts=prompts, max_tokens=args.max_tokens, dtype=args.dtype,
-                  block_size=args.block_size, max_model_len=max(lengths) + 512, num_blocks=args.num_blocks,
+                  block_size=args.block_size, max_model_len=max(lengths) + 512,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     rows = []
-    for name, stack in stacks.items():
+    for name, (stack, cache_dtype) in engines.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        run = run_in_subprocess(stack=stack, **common)
+        # the same pool in bytes for every engine: an fp8 cache gets twice the blocks
+        blocks = args.num_blocks and args.num_blocks * (2 if cache_dtype.startswith("fp8") else 1)
+        run = run_in_subprocess(stack=stack, kv_cache_dtype=cache_dtype, num_blocks=blocks, **common)
         correct = [str(t["answer"]) in (o["text"] or "") for t, o in zip(tasks, run["outputs"])]
         per_length = {n: sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
         rows.append({"stack": name, "spec": stack, "accuracy": per_length, "tasks_per_length": args.tasks,
+                     "kv_cache_dtype": cache_dtype, "block_bytes": run["block_bytes"],
                      "generate_seconds": run["generate_seconds"], "pool_blocks": run["num_blocks"], **run["stats"]})
-    base = rows[0]["generate_seconds"]
+    base = rows[0]
     for row in rows:
-        row["time_vs_stock"] = row["generate_seconds"] / base
-    return {"metadata": {"model": Path(hf_dir).name, "lengths": lengths, "tasks_per_length": args.tasks,
+        row["time_vs_stock"] = row["generate_seconds"] / base["generate_seconds"]
+        for when in ("during_step", "in_use"):
+            row[f"peak_bytes_{when}_vs_stock"] = (row[f"peak_blocks_{when}"] * row["block_bytes"]) / (
+                base[f"peak_blocks_{when}"] * base["block_bytes"])
+    return {"metadata": {"model": source.name, "lengths": lengths, "tasks_per_length": args.tasks,
                          "dtype": args.dtype, "block_size": args.block_size, "pool_blocks": args.num_blocks,
                          "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": args.max_tokens},
             "rows": rows}
@@ -166,13 +180,14 @@ def _with_budget(preset: str, tokens: int) -> dict:
 def table(result: dict) -> str:
     lengths = result["metadata"]["lengths"]
     n = result["metadata"]["tasks_per_length"]
-    head = ["stack", *[f"needle {x}" for x in lengths], "peak blocks (step)", "peak blocks (after eviction)",
-            "most requests at once", "preemptions", "time vs stock"]
+    head = ["engine", *[f"needle {x}" for x in lengths], "peak KV bytes vs stock (during a step)",
+            "(after its eviction)", "most requests at once", "preemptions", "time vs stock"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [r["stack"], *[f"{r['accuracy'][x]}/{n}" for x in lengths], str(r["peak_blocks_during_step"]),
-                 str(r["peak_blocks_in_use"]), str(r["peak_running"]), str(r["preemptions"]),
-                 f"{r['time_vs_stock']:.2f}x"]
+        cells = [r["stack"], *[f"{r['accuracy'][x]}/{n}" for x in lengths],
+                 f"{r['peak_bytes_during_step_vs_stock']:.3f} ({r['peak_blocks_during_step']} blocks)",
+                 f"{r['peak_bytes_in_use_vs_stock']:.3f} ({r['peak_blocks_in_use']})", str(r["peak_running"]),
+                 str(r["preemptions"]), f"{r['time_vs_stock']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -189,7 +204,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: vLLM's)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV pool size in blocks of the model dtype (an fp8 cache gets twice as many)")
+    parser.add_argument("--fp8", action="store_true", help="also run every engine with vLLM's fp8 KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--out", default="docs/results/vllm", help="folder for vllm_serving.json")
     args = parser.parse_args(argv)

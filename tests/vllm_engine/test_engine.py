@@ -105,3 +105,17 @@ def test_tensor_parallel_ranks_score_every_kv_head(tmp_path, monkeypatch):
     full_tokens, _ = generate(model, PROMPTS[0], max_tokens=24, block_size=BLOCK, budget={"tokens": 10**6})
     assert run["outputs"][0]["token_ids"] == ref_tokens != full_tokens
     assert run["stats"]["steps_over_budget"] == 0
+
+
+def test_eviction_composes_with_vllms_fp8_cache(tiny_llama):
+    """vLLM's own fp8 KV cache under the same stack: blocks cost half, the pool holds twice as many, eviction and
+    its budget work the same (the scores are taken before the cache write, from the model-dtype keys)."""
+    stack = _stack({"tokens": 128}, scorer="value_key_ratio")
+    runs = {dtype: run_in_subprocess(model=tiny_llama, stack=stack, prompts=[PROMPTS[0]], max_tokens=16,
+                                     dtype="bfloat16", block_size=BLOCK, max_model_len=1024, tokenizer=False,
+                                     kv_cache_dtype=dtype) for dtype in ("auto", "fp8_e4m3")}
+    assert runs["fp8_e4m3"]["block_bytes"] * 2 == runs["auto"]["block_bytes"]
+    for run in runs.values():
+        assert run["stats"]["blocks_freed"] == runs["auto"]["stats"]["blocks_freed"] > 0
+        assert run["stats"]["steps_over_budget"] == 0
+        assert run["stats"]["max_held_blocks"] == 128 // BLOCK

@@ -74,6 +74,9 @@ class BlockEvictionPlan:
         if len(spec.stages) != 1 or spec.stages[0].kind != "evict":
             kinds = [s.kind for s in spec.stages]
             raise SpecError(f"stages={kinds} is not allowed in vLLM: exactly one `evict` stage")
+        if spec.prefill_chunk is not None:
+            raise SpecError(f"prefill_chunk={spec.prefill_chunk!r} is not allowed in vLLM: None (vLLM splits prefills "
+                            "itself: set max_num_batched_tokens on the engine)")
         stage = spec.stages[0]
         if block_size is not None:
             data = stage.model_dump()
