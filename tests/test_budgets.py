@@ -90,6 +90,42 @@ def test_memory_never_exceeds_the_budget(scenario):
         assert spec.budget.tokens is not None and "low-rank state" in str(err), err
 
 
+@st.composite
+def quantized_prune_options(draw):
+    """A quantized_prune stack with the precision options (3 and 2 bits, rotations, pre-RoPE keys, nf levels, cheaper
+    scales) under a random budget: the level costs it sizes with must be exact for every option."""
+    dtype = draw(st.sampled_from(DTYPES))
+    cheaper = ["model", "float8_e4m3fn"] + (["float16", "bfloat16"] if dtype == torch.float32 else [])
+    tiers = draw(st.sampled_from([
+        [{"fraction": 0.02, "bits": 16}, {"fraction": 0.6, "bits": 3}, {"rest": True, "bits": 2}],
+        [{"fraction": 0.1, "bits": 16}, {"rest": True, "bits": 3}],
+        [{"fraction": 0.5, "bits": 4}, {"rest": True, "bits": 3}],
+    ]))
+    stage = {
+        "kind": "quantized_prune", "scorer": draw(st.sampled_from(["h2o", "key_norm", "window"])),
+        "n_sink": draw(st.integers(0, 4)), "recent": draw(st.sampled_from([0, 8, 32])), "tiers": tiers,
+        "group_size": draw(st.sampled_from([8, 16])), "value_group_size": draw(st.sampled_from(["head_dim", 8])),
+        "rotate": draw(st.sampled_from(["none", "hadamard", "random"])), "key_rope": draw(st.sampled_from(["post", "pre"])),
+        "codebook": draw(st.sampled_from(["uniform", "nf"])), "scale_dtype": draw(st.sampled_from(cheaper)),
+    }
+    if draw(st.booleans()):
+        budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
+    else:
+        budget = {"tokens": draw(st.integers(max(16, stage["n_sink"] + stage["recent"]), 200))}
+    spec = kvstack.StackSpec.load({"name": "qp-options", "budget": budget, "stages": [stage]})
+    head_dim = draw(st.sampled_from([8, 16, 32, 64]))
+    prompt = draw(st.integers(1, 300))
+    steps = draw(st.lists(st.integers(1, 3), max_size=40))
+    return spec, head_dim, dtype, [prompt, *steps], draw(st.integers(1, 2))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(quantized_prune_options())
+def test_quantized_prune_with_precision_options_keeps_the_budget(scenario):
+    spec, head_dim, dtype, sizes, batch = scenario
+    run_and_check(llama(head_dim, dtype), spec, sizes, batch, seed=len(sizes))
+
+
 @pytest.mark.parametrize(
     "preset, dtype, budget",
     [

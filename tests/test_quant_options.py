@@ -58,7 +58,7 @@ def run(model, spec, ids, prefill):
 def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4, scale_item=None, rotation=False):
     """Independent formula: residual tokens in full precision; the rest as b-bit codes (3 bits: 3 bytes per 8 codes)
     + key group scales/zeros + value token scales/zeros in the scale format, one int32 position per token; plus a
-    float32 [D, D] matrix per layer for rotate: random."""
+    float32 [D, D] matrix per layer for rotate: random, once a token is quantized."""
     h, d, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     e = scale_item or item
     x = prefill - g * (max(prefill - residual, 0) // g) + (seen - prefill)
@@ -68,7 +68,7 @@ def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4, 
     keys = h * (q * d * bits // 8 + 2 * e * (q // g) * d)
     values = h * (q * d * bits // 8 + 2 * e * q * (d // vg))
     quant = keys + values + 4 * q
-    return layers * (batch * (full + quant) + (d * d * 4 if rotation else 0))
+    return layers * (batch * (full + quant) + (d * d * 4 if rotation and q else 0))
 
 
 # ------------------------------------------------------------------------------------------------ spec errors
@@ -450,14 +450,28 @@ def test_keys_beyond_the_float8_range_raise_a_clear_error():
         run(model, stage(bits=3, residual=0, scale_dtype="float8_e4m3fn"), ids, 16)
 
 
-
 def test_the_options_mix_into_quantized_prune_without_shadowing_its_levels():
     from kvstack.stages.quantized_prune import QuantizedPruneSpec
 
-    class WithOptions(QuantizedPruneSpec, QuantOptions):
-        pass
-
-    spec = WithOptions(tiers=[{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 4}], codebook="nf",
-                       key_rope="pre", scale_dtype="bfloat16")
-    assert [level.bits for level in spec.levels()] == [16, 4]
+    spec = QuantizedPruneSpec(tiers=[{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 3}], codebook="nf",
+                              key_rope="pre", scale_dtype="bfloat16")
+    assert [level.bits for level in spec.levels()] == [16, 3]
     assert spec.codebook == "nf" and spec.scale_torch_dtype() == torch.bfloat16
+
+
+def test_a_random_rotation_is_drawn_at_the_first_quantized_token():
+    """No matrix before a token is quantized (short prompts hold nothing for it); then the seeded one of its layer."""
+    from kvstack.kernels.rotation import random_orthogonal
+
+    model = tiny_model("llama")
+    spec = stage(bits=3, group_size=8, residual=8, rotate="random", rotate_seed=5)
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(6))
+    with kvstack.applied(model, spec), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids[:, :15], cache=cache)  # 15 < residual + group: nothing quantized yet
+        assert all(layer.tiers[1].codec.rotation is None for layer in cache.layers)
+        model(ids[:, 15:], cache=cache)
+    for layer in cache.layers:
+        tier = layer.tiers[1]
+        assert tier.num_tokens == 8
+        assert torch.equal(tier.codec.rotation, random_orthogonal(16, 5 + layer.layer_idx).float())

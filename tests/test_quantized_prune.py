@@ -1,4 +1,5 @@
-"""``quantized_prune``: precision tiers by importance, the eviction short form, ratio budgets, and the
+"""``quantized_prune``: precision tiers by importance, the eviction short form, ratio budgets, the precision options
+of ``quantize`` on its levels (3 bits, rotations, pre-RoPE keys, nf levels, cheap scales), and the
 recent-quantized-far-lowrank preset."""
 
 from __future__ import annotations
@@ -8,11 +9,18 @@ import math
 import pytest
 import torch
 from archs import tiny_model
+from test_quant_options import OPTION_SETS, SCALE_BYTES, dense  # the options of quantize, on every level here
 
 import kvstack
+from kvstack.kernels.quant_pack import dequantize
+from kvstack.kernels.rotation import random_orthogonal
+from kvstack.stack import engine
+from kvstack.stack.stats import StatsRequest
+from kvstack.stages._quant_options import QuantOptions
 from kvstack.stages.quantized_prune import QuantizedPruneSpec
 
 TIERS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 2}]
+LOW_BITS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.5, "bits": 3}, {"rest": True, "bits": 2}]
 
 
 def stack(stack_budget=None, **stage) -> dict:
@@ -79,11 +87,12 @@ def test_short_form_demotes_what_eviction_would_drop():
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.125])
-def test_ratio_budget_buys_more_tokens_at_lower_precision(ratio):
+@pytest.mark.parametrize("bits, options", [(2, {}), (3, {"scale_dtype": "float8_e4m3fn", "rotate": "random"})])
+def test_ratio_budget_buys_more_tokens_at_lower_precision(ratio, bits, options):
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(
-        stack(stack_budget={"ratio": ratio}, scorer="h2o", tiers=[{"rest": True, "bits": 2}], group_size=16,
-              value_group_size="head_dim")
+        stack(stack_budget={"ratio": ratio}, scorer="h2o", tiers=[{"rest": True, "bits": bits}], group_size=16,
+              value_group_size="head_dim", **options)
     )
     stage: QuantizedPruneSpec = spec.stages[0]
     shape = kvstack.ModelShape.from_model(model)
@@ -95,15 +104,19 @@ def test_ratio_budget_buys_more_tokens_at_lower_precision(ratio):
             assert cache.memory_bytes() <= ratio * cache.full_bytes()  # the promise
     reference = 2 * (16 + 16) * 4
     n = sum(stage.level_counts(shape, torch.float32, spec.budget, 256, 256))
-    # whole 16-token groups of 2-bit codes (+ scales, zero points, positions, records) within ratio x 256 tokens,
-    # less the 15 tokens that wait in full precision (net of the budget's growth; at most a quarter of the limit)
-    slot = round(stage.level_costs(shape, torch.float32)[0] * 16)
-    limit = int(ratio * 256 * reference + 1e-9)
+    # whole 16-token groups of b-bit codes (+ scales and zero points in the scale format, positions and H2O scores
+    # per head) within ratio x 256 tokens, less the 15 tokens that wait in full precision (net of the budget's
+    # growth; at most a quarter of the limit)
+    e = 1 if options.get("scale_dtype") else 4
+    slot = 2 * (16 * 32 * bits // 8 + 2 * e * 16 + 2 * e * 16) + 16 * 2 * 4 + 16 * 2 * 4
+    assert slot == stage.level_costs(shape, torch.float32)[0] * 16
+    rotation = 16 * 16 * 4 if options.get("rotate") == "random" else 0  # reserved from the layer's limit
+    limit = int(ratio * 256 * reference + 1e-9) - rotation
     wait = math.ceil(15 * ((reference + 16) - ratio * reference))  # a full token: its position and H2O score per head
     assert n == 16 * ((limit - min(wait, limit // 4)) // slot) - 15  # room for the holes of one more group
     sixteen_bit = math.floor(ratio * 256 * reference / (reference + 16))  # what h2o eviction keeps
     assert n > 1.5 * sixteen_bit
-    assert held["quantized2"] >= n - 16
+    assert held[f"quantized{bits}"] >= n - 16
 
 
 def test_all_tokens_at_16_bits_is_the_identity():
@@ -129,11 +142,44 @@ def test_all_tokens_at_16_bits_is_the_identity():
         ({"tiers": TIERS, "bits": 2}, "exactly one of 'tiers'"),
         ({"tiers": [{"fraction": 0.5, "rest": True, "bits": 4}]}, "exactly one of 'fraction'"),
         ({"tiers": TIERS, "group_size": 6}, r"group_size=6 .* multiple of 4"),
+        ({"tiers": LOW_BITS, "group_size": 4}, r"group_size=4 .* multiple of 8 for bits=3 \(8 codes packed in 3"),
+        ({"bits": 3, "budget": {"ratio": 0.5}, "group_size": 8, "value_group_size": 4}, r"value_group_size=4 .* multiple of 8"),
+        ({"tiers": [{"fraction": 0.5, "bits": 8}, {"rest": True, "bits": 3}], "group_size": 8, "codebook": "nf"},
+         r"codebook='nf' is not allowed: uniform with bits=8"),
+        ({"tiers": TIERS, "rotate": "fourier"}, r"rotate"),
+        ({"tiers": [{"rest": True, "bits": 5}]}, r"bits"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):
     with pytest.raises(kvstack.SpecError, match=message):
         kvstack.StackSpec.load(stack(**stage))
+
+
+@pytest.mark.parametrize(
+    "model_kwargs, options, message",
+    [
+        ({"dtype": torch.bfloat16}, {"scale_dtype": "bfloat16"},
+         r"scale_dtype='bfloat16' is not allowed: 'model' or a format smaller than the model dtype bfloat16"),
+        ({"head_dim": 24}, {"rotate": "hadamard"}, r"rotate='hadamard' is not allowed: a power-of-two head_dim"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, {"key_rope": "pre"},
+         r"key_rope='pre' is not allowed: 'post' for this model: rope_type='dynamic'"),
+    ],
+)
+def test_options_are_checked_against_the_model(model_kwargs, options, message):
+    model = tiny_model("llama", **model_kwargs)
+    with pytest.raises(kvstack.SpecError, match=message):
+        kvstack.apply(model, options_stack(**options))
+    # a stack with no quantized level: the options do not act, and are not checked
+    with kvstack.applied(model, options_stack([{"fraction": 1.0, "bits": 16}], **options)):
+        pass
+
+
+def test_options_show_only_where_a_level_is_quantized():
+    assert "rotate" not in kvstack.StackSpec.load(options_stack([{"rest": True, "bits": 16}], rotate="hadamard")).to_yaml()
+    text = kvstack.StackSpec.load(options_stack(rotate="hadamard", codebook="nf")).to_yaml()
+    assert "rotate: hadamard" in text and "codebook: nf" in text and "rotate_seed" not in text
+    spec = kvstack.StackSpec.load(options_stack(rotate="random", rotate_seed=3, key_rope="pre"))
+    assert kvstack.StackSpec.from_yaml(spec.to_yaml()) == spec
 
 
 def test_value_groups_must_divide_the_models_head_dim(real_model_and_tokenizer):
@@ -157,3 +203,118 @@ def test_recent_quantized_far_lowrank_preset_runs_on_the_real_model(real_model_a
     assert int(layer.kept_counts().max()) <= 128
     assert int(layer.full.positions.min()) > int(layer.tiers[1].positions.max())  # recent full, middle quantized
     assert tokenizer.decode(out[0]).strip()
+
+
+# ------------------------------------------------------------------------------------------ precision options
+def options_stack(tiers=LOW_BITS, stack_budget=None, **options) -> dict:
+    # window: one ranking for all heads and no per-token records, so every byte below has a closed form
+    return stack(stack_budget, scorer="window", group_size=8, tiers=tiers, **options)
+
+
+def prefill(model, spec, n, batch=1, seed=0):
+    ids = torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+    with kvstack.applied(model, spec), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids, cache=cache)
+    return cache, ids
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+@pytest.mark.parametrize("n, batch", [(32, 1), (45, 2)])
+def test_memory_bytes_are_exact_with_every_option(options, n, batch):
+    """Independent count: 16-bit tokens with a position; each quantized level in whole 8-token groups of b-bit codes
+    (3 bits: 3 bytes per 8 codes), key scales/zeros per group and channel, value scales/zeros per token and group,
+    in the scale format, a position per slot; one float32 [D, D] matrix per layer for rotate: random (not one per
+    level)."""
+    model = tiny_model("llama")
+    spec = kvstack.StackSpec.load(options_stack(**options))
+    stage: QuantizedPruneSpec = spec.stages[0]
+    cache, _ = prefill(model, spec, n, batch)
+    h, d, layers = 2, 16, model.config.num_hidden_layers
+    e = SCALE_BYTES[options.get("scale_dtype", "model")] or 4
+    counts_ = [n // 4, 3 * n // 4 - n // 4, n - 3 * n // 4]  # floor(0.25 n), floor(0.75 n) - floor(0.25 n), rest
+    expected = counts_[0] * (h * 2 * d * 4 + 4)
+    for bits, count in zip((3, 2), counts_[1:]):
+        slots = 8 * math.ceil(count / 8)
+        expected += h * (2 * slots * d * bits // 8 + 2 * e * (slots // 8) * d + 2 * e * slots * (d // 8)) + 4 * slots
+    rotation = d * d * 4 if options.get("rotate") == "random" else 0
+    assert cache.memory_bytes() == layers * (batch * expected + rotation)
+    costs = stage.level_costs(cache.shape, torch.float32)
+    for layer in cache.layers:
+        assert counts(layer) == dict(zip(("full", "quantized3", "quantized2"), counts_))
+        for tier, cost in zip(layer.tiers[1:], costs[1:]):
+            assert tier.bytes_per_token() == cost  # the amortised cost the budget is sized with
+            assert tier.key_scale.dtype == tier.value_zero.dtype == (
+                torch.float32 if e == 4 else getattr(torch, options["scale_dtype"])
+            )
+
+
+def _by_position(x, positions):
+    """x [B, H, T, D] of an identity cache (positions 0..T-1) at the slots' positions [B, 1, S] (holes: 0)."""
+    index = positions.clamp_min(0).long()[..., None].expand(-1, x.shape[1], -1, x.shape[-1])
+    return x.gather(2, index)
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_every_level_stores_what_the_options_say(options):
+    """Each quantized level holds ``R unrope(k)`` / ``R v`` (docs/quantization.md) of its tokens in the options'
+    levels and scale format — the same stored domain a ``quantize`` stage with these options keeps."""
+    model = tiny_model("llama")
+    tiers = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 3}]
+    cache, ids = prefill(model, options_stack(tiers, **options), 64)
+    full, _ = prefill(model, "identity", 64)
+    shape = kvstack.ModelShape.from_model(model)
+    transformed = options.get("rotate", "none") != "none" or options.get("key_rope") == "pre"
+    for layer, reference in zip(cache.layers, full.layers):
+        want = QuantOptions(**options).codec(shape, layer.layer_idx)
+        for tier in layer.tiers[1:]:
+            codec = tier.codec
+            assert (codec.levels, codec.scale_dtype, codec.rotate) == (want.levels, want.scale_dtype, want.rotate)
+            assert tier.key_groups().levels == options.get("codebook", "uniform")
+            keys = _by_position(reference.full.keys, tier.positions)
+            values = _by_position(reference.full.values, tier.positions)
+            stored_k = dequantize(tier.key_groups(), torch.float32)
+            stored_v = dequantize(tier.value_groups(), torch.float32)
+            want_k = want.store_keys(keys, tier.positions)
+            want_v = want.store_values(values)
+            rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+            assert rel(stored_k, want_k) < 0.25 and rel(stored_v, want_v) < 0.25  # 3/4-bit error
+            if transformed:  # and not the keys as received: a transform is O(1) away from them
+                assert rel(stored_k, keys) > 0.5
+            if options.get("rotate") == "random":
+                assert codec.rotation is layer.tiers[1].codec.rotation  # one matrix per layer
+                assert torch.equal(codec.rotation, random_orthogonal(16, 5 + layer.layer_idx).float())
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_attention_equals_a_dense_softmax_over_the_dequantized_tiers(options, monkeypatch):
+    """After a prompt and decode steps that re-assign levels (tokens move 16 -> 3 -> 2 bits through the codec),
+    attention through the layer's tiers equals one float64 softmax over every tier's dequantized keys and values
+    in the model's basis."""
+    monkeypatch.setenv("KVSTACK_KERNELS", "torch")
+    monkeypatch.setattr(engine, "KEY_BLOCK", 8)  # several key blocks per tier
+    model = tiny_model("llama")
+    spec = kvstack.StackSpec.load(stack(scorer="h2o", n_sink=2, recent=4, group_size=8, tiers=LOW_BITS, **options))
+    with kvstack.applied(model, spec), torch.no_grad():
+        *_, cache = drive(model, None, prefill=40, steps=9, batch=2)  # re-assigns at 40 and 48 tokens
+    for layer in cache.layers:
+        assert counts(layer)["quantized2"] > 0
+        query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(layer.layer_idx), dtype=torch.float64)
+        out, _ = engine.attend(layer, query, StatsRequest(), padded=True, scaling=0.25, softcap=None,
+                               sliding_window=None)
+        torch.testing.assert_close(out, dense(layer, query, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_a_random_rotation_comes_out_of_the_budget_before_any_token():
+    """head_dim 64: the float32 matrix (16 KiB a layer) is more than ratio 0.25 of 40 tokens (10 KiB): nothing is kept
+    and no matrix is drawn; at 256 tokens (64 KiB) it is, and the levels fill what is left."""
+    model = tiny_model("llama", head_dim=64)
+    spec = kvstack.StackSpec.load(options_stack(stack_budget={"ratio": 0.25}, rotate="random"))
+    for n, kept in ((40, False), (256, True)):
+        cache, _ = prefill(model, spec, n)
+        held = cache.memory_bytes()
+        assert held <= 0.25 * cache.full_bytes()
+        for layer in cache.layers:
+            assert (layer.tiers[1].codec.rotation is not None) == kept
+            assert (int(layer.kept_counts().max()) > 0) == kept
+    assert held > 0.2 * cache.full_bytes()

@@ -57,7 +57,8 @@ class QuantOptions(BaseModel):
         default="none",
         description="Rotate keys and values along head_dim by an orthogonal matrix before quantization (outliers "
         "spread over every channel): hadamard (normalised Walsh-Hadamard, power-of-two head_dim, nothing stored) or "
-        "random (a seeded random orthogonal matrix, float32 [head_dim, head_dim] held per layer and counted).",
+        "random (a seeded random orthogonal matrix, float32 [head_dim, head_dim] held per layer from its first "
+        "quantized token on, and counted).",
     )
     rotate_seed: int = Field(
         default=0, ge=0, description="rotate: random — seed of layer 0's matrix (layer l uses rotate_seed + l)."
@@ -128,15 +129,14 @@ class QuantOptions(BaseModel):
         return SCALE_DTYPES[self.scale_dtype]
 
     def fixed_bytes(self, shape) -> int:
-        """Bytes per layer that do not depend on tokens or batch (the ``random`` rotation matrix)."""
+        """Bytes per layer that do not depend on tokens or batch (the ``random`` rotation matrix, held once the layer
+        quantizes a token)."""
         return shape.head_dim**2 * ROTATION_ITEMSIZE if self.rotate == "random" else 0
 
     def codec(self, shape, layer_idx: int) -> "TierCodec":
-        rotation = None
-        if self.rotate == "random":
-            rotation = random_orthogonal(shape.head_dim, self.rotate_seed + layer_idx).float()
+        seed = self.rotate_seed + layer_idx if self.rotate == "random" else None
         inv_freq = rope_frequencies(shape, layer_idx) if self.key_rope == "pre" else None
-        return TierCodec(self.codebook, self.scale_torch_dtype(), self.rotate, rotation, inv_freq)
+        return TierCodec(self.codebook, self.scale_torch_dtype(), self.rotate, None, inv_freq, seed, shape.head_dim)
 
 
 # ---------------------------------------------------------------------------------------------- RoPE from config
@@ -206,13 +206,18 @@ class TierCodec:
 
     Stored keys: ``R unrope_p(k)`` (``key_rope: pre``) or ``R k``; stored values: ``R v`` (``R`` the rotation, the
     identity for ``rotate: none``). Attention keys: with pre-RoPE keys ``rope_p(R^T k_s)`` (the query is left as it
-    is), else the stored ``R k`` read by the rotated query ``R q``; attention values: ``R^T v_s``."""
+    is), else the stored ``R k`` read by the rotated query ``R q``; attention values: ``R^T v_s``.
+
+    A ``random`` rotation is drawn (from ``rotation_seed``) on first use: a layer that never quantizes a token holds
+    no matrix, so a budget smaller than the matrix (short prompts) can still be kept by holding nothing quantized."""
 
     levels: str = "uniform"
     scale_dtype: torch.dtype | None = None  # None: the model dtype
     rotate: str = "none"
     rotation: torch.Tensor | None = None  # float32 [D, D] (rotate: random), x -> x @ rotation
     inv_freq: torch.Tensor | None = None  # float32 [rope_dim / 2] (key_rope: pre)
+    rotation_seed: int | None = None  # rotate: random, drawn on first use when ``rotation`` is None
+    head_dim: int | None = None
 
     @property
     def plain(self) -> bool:
@@ -233,6 +238,8 @@ class TierCodec:
 
     # rotations ------------------------------------------------------------------------------------------
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is None:
+            self.rotation = random_orthogonal(self.head_dim, self.rotation_seed).float()
         if self.rotation.device != x.device:
             self.rotation = self.rotation.to(x.device)  # one copy, where the cache lives
         return self.rotation.to(x.dtype)

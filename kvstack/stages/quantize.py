@@ -152,6 +152,8 @@ class QuantizedTier(ExactTier):
     the codes hold the transformed keys/values (quantized from float32), the tier rotates the query in
     ``attention_query``, re-applies RoPE / un-rotates in ``attention_block`` and ``gather``, and a ``random``
     rotation's matrix is held (and counted) with the tier. Such tiers leave the fused kernel (``kernel_data`` None).
+    Tiers of one layer may share a codec (``quantized_prune``'s levels): one of them holds and counts its tensors,
+    the others pass ``holds_codec_tensors=False``.
     """
 
     _tensor_names = (
@@ -160,7 +162,7 @@ class QuantizedTier(ExactTier):
 
     def __init__(
         self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str,
-        codec: TierCodec | None = None,
+        codec: TierCodec | None = None, holds_codec_tensors: bool = True,
     ):
         self.name = name
         self.bits = bits
@@ -169,6 +171,7 @@ class QuantizedTier(ExactTier):
         self.dtype = dtype
         self.label = label
         self.codec = codec or TierCodec()
+        self.holds_codec_tensors = holds_codec_tensors
         self.token_data = {}
         self.head_dim: int | None = None  # full key width, once key channels are pruned
         for n in self._tensor_names:
@@ -208,7 +211,8 @@ class QuantizedTier(ExactTier):
             raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None
 
     def memory_bytes(self) -> int:
-        return super().memory_bytes() + sum(t.nbytes for t in self.codec.fixed_tensors().values())
+        held = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
+        return super().memory_bytes() + held
 
     # ------------------------------------------------------------------------------- attention side
     @property
@@ -462,7 +466,8 @@ class QuantizeSpec(StageSpec, QuantOptions):
             # a tier with transformed keys keeps every key channel (keep_key_channels refuses)
             narrowable = None if self.rotate != "none" or self.key_rope == "pre" else cost_without
             layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
-            layer.fixed_bytes += self.fixed_bytes(shape)
+            if quantized:  # a random rotation's matrix exists from the first quantized token on
+                layer.fixed_bytes += self.fixed_bytes(shape)
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
         return None if self.bits == 16 else QuantizeStage(self, shape, stack_budget)

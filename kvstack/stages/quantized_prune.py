@@ -2,7 +2,11 @@
 
 Zhang et al., "More Tokens, Lower Precision: Towards the Optimal Token-Precision Trade-off in KV Cache Compression"
 (arXiv 2412.12706): at equal memory, more tokens at lower precision can beat fewer tokens at 16 bit. Generalised
-here to precision tiers by importance. Quantization is KIVI's (``kvstack/stages/quantize.py``, arXiv 2402.02750).
+here to precision tiers by importance. Quantization is KIVI's (``kvstack/stages/quantize.py``, arXiv 2402.02750) at 2, 3,
+4 or 8 bits, with the precision options of ``quantize`` (:class:`QuantOptions`, ``kvstack/stages/_quant_options.py``):
+``rotate`` (hadamard | random), ``key_rope: pre``, ``codebook: nf`` and ``scale_dtype``. They apply to every quantized
+level of a layer alike (one codec per layer, shared by its levels; a ``random`` rotation's matrix is held once per
+layer and counted); the 16-bit level stores tokens as the model gives them.
 
 Two forms:
 
@@ -15,9 +19,10 @@ Two forms:
   drop are demoted to ``bits`` instead (nothing is evicted).
 
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
-quantized level in whole key groups (``group_size`` slots: codes, scales, zero points, positions, records), the
-16-bit level per token — fit in the layer's limit (``r * seen`` uncompressed tokens for ``ratio: r``, ``n`` for
-``tokens: n``, of which ``N`` is also at most ``n``) less the state and less the ``every - 1`` tokens that arrive in
+quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
+points in ``scale_dtype``, positions, records), the 16-bit level per token — fit in the layer's limit (``r * seen``
+uncompressed tokens for ``ratio: r``, ``n`` for ``tokens: n``, of which ``N`` is also at most ``n``) less the state, less
+the ``random`` rotation's matrix, and less the ``every - 1`` tokens that arrive in
 full precision before the next assignment (their cost less the budget's growth meanwhile, at most a quarter of the
 limit: a layer over its limit before the period ends is re-assigned then). Lower bits buy
 proportionally more tokens. (For the ``bits`` form, ``N`` is the 16-bit count eviction would keep and every other token
@@ -44,7 +49,10 @@ from kvstack.stack.budget import reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
-from .quantize import QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, value_group_for
+from ._quant_options import QuantOptions
+from .quantize import (
+    QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
+)
 from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
 
 LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a token is moving to
@@ -55,7 +63,9 @@ class PrecisionTier(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    bits: Literal[2, 4, 8, 16] = Field(description="Bits per element (16: the full-precision tier).")
+    bits: Literal[2, 3, 4, 8, 16] = Field(
+        description="Bits per element (16: the full-precision tier; 3: 8 codes in 3 bytes, group sizes multiples of 8)."
+    )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
 
@@ -67,13 +77,14 @@ class PrecisionTier(BaseModel):
 
 
 @register_stage
-class QuantizedPruneSpec(ScorerOptions, StageSpec):
-    """Rank tokens with an eviction scorer and store them at a precision that depends on their rank."""
+class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
+    """Rank tokens with an eviction scorer and store them at a precision that depends on their rank (the quantized
+    levels with ``quantize``'s precision options)."""
 
     kind: Literal["quantized_prune"] = "quantized_prune"
     scorer: str = Field(default="h2o", description="Scoring policy that ranks tokens (see docs/eviction.md).")
     tiers: list[PrecisionTier] | None = Field(default=None, description="Precision tiers, most important first.")
-    bits: Literal[2, 4, 8] | None = Field(
+    bits: Literal[2, 3, 4, 8] | None = Field(
         default=None, description="Short form: tokens eviction to the budget would drop are stored at these bits."
     )
     budget: Budget | None = Field(default=None, description="Own budget; defaults to the stack's budget.")
@@ -86,6 +97,9 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
     )
     n_sink: int = Field(default=0, ge=0, description="First real tokens of each row, always in the top tier.")
     recent: int = Field(default=0, ge=0, description="Newest positions, always in the top tier.")
+
+    def inactive_options(self) -> set[str]:
+        return super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
 
     def keeps_budget(self) -> bool:
         """The ``tiers`` form sizes its levels to the budget in bytes; the ``bits`` short form keeps every token
@@ -100,7 +114,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
         """The tiers, the ``bits`` short form expanded (its 16-bit count comes from the budget)."""
         if self.tiers is not None:
             return list(self.tiers)
+        if self.bits is None:  # neither form (validate_with refuses it)
+            return []
         return [PrecisionTier(bits=16, fraction=1.0), PrecisionTier(bits=self.bits, rest=True)]
+
+    def quantized_bits(self) -> list[int]:
+        """Widths of the quantized levels (the precision options act on these)."""
+        return [level.bits for level in self.levels() if level.bits != 16]
 
     def validate_with(self, stack_budget) -> None:
         if (self.tiers is None) == (self.bits is None):
@@ -126,16 +146,20 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
         value_group = self.value_group_size
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
-        for level in self.levels():
-            if level.bits != 16:
-                check_quant_params(level.bits, self.group_size, value_group, None)
+        for bits in self.quantized_bits():
+            check_quant_params(bits, self.group_size, value_group, None)
+        self.check_quant_options(self.quantized_bits())
+
+    def validate_in_stack(self, position, stages) -> None:
+        if self.quantized_bits():
+            self.check_quant_options_in_stack(stages)
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
         value_group = value_group_for(self.value_group_size, self.group_size, shape)
-        for level in self.levels():
-            if level.bits != 16:
-                check_quant_shape(shape, level.bits, value_group)
+        for bits in self.quantized_bits():
+            check_quant_shape(shape, bits, value_group)
+        self.check_quant_options_for(shape, self.quantized_bits())
 
     # --------------------------------------------------------------------------------------- sizing
     @property
@@ -147,20 +171,22 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
         pos = full_tier_bytes(shape, shape.dtype, positions_per_head=self.is_head_wise, key_dim=0, value_dim=0)(1)
         return pos + get_scorer(self.scorer)(self, shape).record_bytes_per_token(shape)
 
+    def fixed_bytes(self, shape) -> int:
+        """Bytes per layer besides the tokens: the codec's (one ``random`` rotation matrix, shared by the levels)."""
+        return QuantOptions.fixed_bytes(self, shape) if self.quantized_bits() else 0
+
     def level_costs(self, shape, dtype) -> list[float]:
-        """Amortised bytes of one token per batch row in each level."""
-        e = _itemsize(dtype)
-        h, dk, dv = shape.num_kv_heads, shape.head_dim, shape.value_dim
+        """Amortised bytes of one token per batch row in each level (codes, scales and zero points in
+        ``scale_dtype``, positions, records; the per-layer ``fixed_bytes`` aside)."""
+        full = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         extra = self.per_token_extra(shape)
-        costs = []
-        for level in self.levels():
-            if level.bits == 16:
-                costs.append(h * (dk + dv) * e + extra)
-            else:
-                b = level.bits
-                costs.append(h * ((dk + dv) * b / 8 + 2 * e * (dk / self.group_size + dv / vg)) + extra)
-        return costs
+        sdt = self.scale_torch_dtype()
+        return [
+            full + extra if level.bits == 16
+            else quantized_token_bytes(shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=sdt)
+            for level in self.levels()
+        ]
 
     def level_split(self, shape, dtype, stack_budget, reference=None) -> "LevelSplit":
         """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once per
@@ -178,12 +204,22 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
             if level.bits == 16:
                 costs.append(lambda n, c=full: n * c)
             else:  # whole key groups, and the holes of up to one more before the tier merges them
-                slots = quantized_slot_bytes(shape, dtype, level.bits, self.group_size, vg, extra)
+                slots = self.slot_bytes(shape, dtype, level.bits, extra)
                 costs.append(lambda n, f=slots, g=self.group_size: f(n + g - 1) if n else 0)
         slack = self.period - 1 if self.keeps_budget() else 0  # the short form's budget is a selection rule
         return LevelSplit(
             budget, reference_bytes_per_token(reference or shape, dtype), costs, full, slack,
             cumulative if self.tiers is not None else None,
+            # the rotation matrix is per layer, not per row: reserving it in every row's share over-counts for
+            # batches > 1, never under-counts
+            fixed=self.fixed_bytes(shape),
+        )
+
+    def slot_bytes(self, shape, dtype, bits: int, extra: int):
+        """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options)."""
+        vg = value_group_for(self.value_group_size, self.group_size, shape)
+        return quantized_slot_bytes(
+            shape, dtype, bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype()
         )
 
     def shares(self) -> list[float]:
@@ -199,21 +235,24 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec):
     def plan_memory(self, plan, stack_budget) -> None:
         shape = plan.shape
         extra = self.per_token_extra(shape)
-        vg = value_group_for(self.value_group_size, self.group_size, shape)
         full_cost = full_tier_bytes(shape, plan.dtype, positions_per_head=self.is_head_wise)
         records = get_scorer(self.scorer)(self, shape).record_bytes_per_token(shape)
         for layer in plan.layers:
             full = layer.tier("full")
             counts = self.level_counts(shape, plan.dtype, stack_budget, plan.seq_len, full.tokens)
             full.bytes_for = lambda n, base=full_cost: base(n) + n * records
+            quantized = 0
             for level, count in zip(self.levels(), counts):
                 if level.bits == 16:
                     full.tokens = min(full.tokens, count + self.period - 1)
                 else:
-                    cost = quantized_slot_bytes(shape, plan.dtype, level.bits, self.group_size, vg, extra)
+                    cost = self.slot_bytes(shape, plan.dtype, level.bits, extra)
                     layer.tiers.append(TierPlan(f"quantized{level.bits}", count, cost))
+                    quantized += count
             if all(level.bits != 16 for level in self.levels()):
                 full.tokens = min(full.tokens, self.period - 1)
+            if quantized:  # a random rotation's matrix exists from the first quantized token on
+                layer.fixed_bytes += self.fixed_bytes(shape)
 
     def build(self, shape, stack_budget) -> "QuantizedPruneStage":
         return QuantizedPruneStage(self, shape, stack_budget)
@@ -225,11 +264,12 @@ class LevelSplit:
     (``budget`` against ``reference`` bytes per uncompressed token) less ``reserved`` bytes and the ``slack`` tokens
     that arrive at ``full`` bytes each before the next assignment (less the budget's growth meanwhile), and at most
     ``tokens``. Level i takes ranks ``[bound_{i-1}, bound_i)`` with ``bound_i = floor(cumulative_i * N)`` (``None``:
-    the rest, ``N``). The short form (``cumulative`` None) keeps ``N`` at 16 bits and demotes the rest."""
+    the rest, ``N``). The short form (``cumulative`` None) keeps ``N`` at 16 bits and demotes the rest. ``fixed``:
+    bytes the layer holds whatever ``N`` (the codec's tensors), taken from every limit."""
 
-    def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative):
+    def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0):
         self.budget, self.reference, self.costs = budget, reference, costs
-        self.full, self.slack, self.cumulative = full, slack, cumulative
+        self.full, self.slack, self.cumulative, self.fixed = full, slack, cumulative, fixed
         self._cache: dict[tuple[int, int], int] = {}
 
     def counts(self, n: int) -> list[int]:
@@ -247,7 +287,12 @@ class LevelSplit:
             return None
         key = (seen, reserved)
         if key not in self._cache:
-            limit = self.budget.limit_bytes(seen, self.reference) - reserved
+            # the codec's tensors are reserved whatever N: until the limit exceeds them nothing is kept (N = 0, so
+            # nothing quantized and no matrix held)
+            limit = self.budget.limit_bytes(seen, self.reference) - reserved - self.fixed
+            if limit <= 0:
+                self._cache[key] = 0
+                return 0
             growth = 0 if self.budget.ratio is None else self.budget.ratio * self.reference
             # room for the tokens that arrive before the next assignment (at most a quarter of the limit: beyond
             # that the stage re-assigns early, when the layer is over its limit)
@@ -295,6 +340,8 @@ class QuantizedPruneStage(Stage):
 
     def init_layer(self, layer) -> None:
         tiers = []
+        codec = self.spec.codec(self.shape, layer.layer_idx)  # one per layer: the levels share its rotation
+        holder = True  # the first quantized level holds (and counts) the codec's tensors
         for level in self.spec.levels():
             if level.bits == 16:
                 tiers.append(layer.full)
@@ -302,7 +349,9 @@ class QuantizedPruneStage(Stage):
             tier = QuantizedTier(
                 level.bits, self.spec.group_size, self.value_group, self.shape.dtype,
                 label=f"layer {layer.layer_idx}, quantized_prune", name=f"quantized{level.bits}",
+                codec=codec, holds_codec_tensors=holder,
             )
+            holder = False
             layer.tiers.append(tier)
             tiers.append(tier)
         layer.scratch[self.key] = tiers
