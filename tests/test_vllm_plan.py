@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack import SpecError
-from kvstack.integrations.vllm import SCHEDULER, WORKER, BlockEvictionPlan, check_engine, compact_block_table, engine_args
+from kvstack.integrations.vllm import (
+    SCHEDULER, WORKER, BlockEvictionPlan, check_engine, compact_block_table, engine_args, engine_stats,
+)
 from kvstack.integrations.vllm.plan import CONFIG_KEY, BlockScores
 
 
@@ -177,6 +179,17 @@ def test_engine_args_name_kvstacks_scheduler_and_worker():
         engine_args("paged-eviction", block_size=32, enable_prefix_caching=True)
     with pytest.raises(SpecError, match="not allowed in vLLM yet"):
         engine_args("kivi-4")
+    budgeted = BlockEvictionPlan.from_spec(
+        engine_args("paged-eviction", block_size=64, budget={"ratio": 0.25})["additional_config"][CONFIG_KEY])
+    assert (budgeted.budget.ratio, budgeted.stage.budget, budgeted.block_size) == (0.25, None, 64)
+    with pytest.raises(SpecError, match="budget.tokens=40 is not allowed: at least one block"):
+        engine_args("paged-eviction", block_size=64, budget={"tokens": 40})
+
+
+def test_engine_stats_needs_kvstacks_scheduler_in_this_process():
+    remote = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace()))  # a multiprocess engine
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        engine_stats(remote)
 
 
 def _config(**changes):

@@ -1,7 +1,7 @@
 """kvstack inside vLLM against stock vLLM, on the same prompts, in one run.
 
     python -m kvstack.bench.vllm_serving                 # SmolLM2 needle tasks, stock vs paged-eviction
-    python -m kvstack.bench.vllm_serving --lengths 1024,2048 --tasks 8 --budget 512 --num-blocks 160
+    python -m kvstack.bench.vllm_serving --lengths 1024,2048 --tasks 4 --budget 512 --num-blocks 160 --fp8
 
 Each engine runs in a fresh process (``--run-json``: one engine, its prompts, its outputs and block counts as JSON),
 because a vLLM engine holds process-wide state. The table compares, per engine: needle accuracy, peak KV blocks in
@@ -30,6 +30,7 @@ def engine_run(
     stack: "str | dict | None",
     prompts: list[list[int]],
     *,
+    budget: dict | None = None,
     max_tokens: int,
     dtype: str = "bfloat16",
     block_size: int = 32,
@@ -65,7 +66,7 @@ def engine_run(
     else:
         from kvstack.integrations.vllm import engine_args
 
-        settings = engine_args(stack, block_size=block_size, **settings)
+        settings = engine_args(stack, block_size=block_size, budget=budget, **settings)
     start = time.perf_counter()
     llm = LLM(model=model, **settings)
     loaded = time.perf_counter()
@@ -137,7 +138,8 @@ def benchmark(args) -> dict:
     tasks, prompts = _needle_prompts(hf_dir, lengths, args.tasks)
     engines = {"stock vLLM": (None, "auto")}
     for preset in args.stacks.split(","):
-        engines[f"{preset} @ {args.budget} tokens"] = (_with_budget(preset, args.budget), "auto")
+        engines[f"{preset} @ {args.budget} tokens"] = (preset, "auto")
+    budget = {"tokens": args.budget}
     if args.fp8:  # vLLM's own fp8 KV cache, alone and under each stack
         for name, (stack, _) in list(engines.items()):
             engines[f"{name} + fp8 cache"] = (stack, "fp8_e4m3")
@@ -149,10 +151,12 @@ def benchmark(args) -> dict:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         # the same pool in bytes for every engine: an fp8 cache gets twice the blocks
         blocks = args.num_blocks and args.num_blocks * (2 if cache_dtype.startswith("fp8") else 1)
-        run = run_in_subprocess(stack=stack, kv_cache_dtype=cache_dtype, num_blocks=blocks, **common)
+        run = run_in_subprocess(stack=stack, budget=stack and budget, kv_cache_dtype=cache_dtype, num_blocks=blocks,
+                                **common)
         correct = [str(t["answer"]) in (o["text"] or "") for t, o in zip(tasks, run["outputs"])]
         per_length = {n: sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
-        rows.append({"stack": name, "spec": stack, "accuracy": per_length, "tasks_per_length": args.tasks,
+        rows.append({"stack": name, "preset": stack, "budget": stack and budget, "accuracy": per_length,
+                     "tasks_per_length": args.tasks,
                      "kv_cache_dtype": cache_dtype, "block_bytes": run["block_bytes"],
                      "generate_seconds": run["generate_seconds"], "pool_blocks": run["num_blocks"], **run["stats"]})
     base = rows[0]
@@ -165,16 +169,6 @@ def benchmark(args) -> dict:
                          "dtype": args.dtype, "block_size": args.block_size, "pool_blocks": args.num_blocks,
                          "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": args.max_tokens},
             "rows": rows}
-
-
-def _with_budget(preset: str, tokens: int) -> dict:
-    from kvstack.stack.spec import StackSpec
-
-    spec = StackSpec.load(preset).model_dump(mode="json")
-    spec["budget"] = {"tokens": tokens}
-    for stage in spec["stages"]:
-        stage["budget"] = None
-    return spec
 
 
 def table(result: dict) -> str:

@@ -5,6 +5,10 @@ Llama with head_dim 64 (vLLM's CPU attention takes head sizes from 32) and peake
 tokens are stable and the comparison is exact in tokens and tight in log-probabilities.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -119,3 +123,17 @@ def test_eviction_composes_with_vllms_fp8_cache(tiny_llama):
         assert run["stats"]["blocks_freed"] == runs["auto"]["stats"]["blocks_freed"] > 0
         assert run["stats"]["steps_over_budget"] == 0
         assert run["stats"]["max_held_blocks"] == 128 // BLOCK
+
+
+def test_the_example_serves_the_shared_smollm2(smollm2_source):
+    """examples/vllm/serve_paged_eviction.py answers two chat prompts with SmolLM2, evicting blocks during decode."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(root / "examples/vllm/serve_paged_eviction.py"), "--model", str(smollm2_source),
+         "--budget", "128", "--max-tokens", "120"],
+        capture_output=True, text=True, timeout=900, cwd=root,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    freed = int(result.stdout.split("blocks freed back to vLLM's pool: ")[1].split(";")[0])
+    assert freed > 0 and "steps over budget: 0" in result.stdout
+    assert "most blocks one request held: 4 (budget 4" in result.stdout

@@ -18,11 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvstack.stack.base import Budget
 from kvstack.stack.spec import StackSpec
 
 from .plan import CONFIG_KEY, BlockEvictionPlan, compact_block_table
 
-__all__ = ["BlockEvictionPlan", "CONFIG_KEY", "check_engine", "compact_block_table", "engine_args"]
+__all__ = ["BlockEvictionPlan", "CONFIG_KEY", "check_engine", "compact_block_table", "engine_args", "engine_stats"]
 
 SCHEDULER = "kvstack.integrations.vllm.scheduler.KVStackScheduler"
 WORKER = "kvstack.integrations.vllm.worker.KVStackWorker"
@@ -31,20 +32,26 @@ WORKER = "kvstack.integrations.vllm.worker.KVStackWorker"
 _REQUIRED = {"enable_prefix_caching": False, "async_scheduling": False, "enforce_eager": True}
 
 
-def engine_args(stack: "StackSpec | dict | str | Path", *, block_size: int | None = None, **overrides: Any) -> dict:
+def engine_args(
+    stack: "StackSpec | dict | str | Path",
+    *,
+    block_size: int | None = None,
+    budget: "Budget | dict | None" = None,
+    **overrides: Any,
+) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs(...)`` that run ``stack`` in the engine.
 
     ``block_size`` is the engine's block size and the eviction block (default: the stack's ``block_size``); vLLM's
-    CPU attention needs a multiple of 32. ``overrides`` are passed through (``dtype``, ``max_model_len``, ...).
-    The stack is checked here, so a spec vLLM cannot run fails before an engine starts.
+    CPU attention needs a multiple of 32. ``budget`` (``{"tokens": n}`` or ``{"ratio": r}``) replaces the stack's.
+    ``overrides`` are passed through (``dtype``, ``max_model_len``, ``kv_cache_dtype``, ...). The stack is checked
+    here, so a spec vLLM cannot run fails before an engine starts.
     """
-    plan = BlockEvictionPlan.from_spec(stack, block_size=block_size)
+    plan = BlockEvictionPlan.from_spec(stack, block_size=block_size, budget=budget)
     for name, needed in _REQUIRED.items():
         if name in overrides and overrides[name] != needed:
             raise ValueError(f"{name}={overrides[name]!r} is not allowed with kvstack in vLLM: {needed!r}")
-    spec = StackSpec.load(stack).model_copy(update={"stages": [plan.stage]})
     extra = dict(overrides.pop("additional_config", None) or {})
-    extra[CONFIG_KEY] = spec.model_dump(mode="json")
+    extra[CONFIG_KEY] = plan.spec.model_dump(mode="json")
     return {
         **overrides,
         **_REQUIRED,
@@ -76,3 +83,16 @@ def check_engine(vllm_config) -> None:
         raise ValueError(f"kvstack in vLLM does not support {', '.join(bad)}: an evicted block must be freed by "
                          "the one scheduler, never be shared or drafted into, and attention must see it gone in the "
                          "next step")
+
+
+def engine_stats(llm):
+    """What a ``vllm.LLM`` built with ``engine_args`` held so far (``scheduler.BlockStats``: peak blocks in use
+    during and after steps, blocks freed, steps over budget, preemptions). The scheduler lives in the engine core,
+    so this needs the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the engine starts)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    stats = getattr(scheduler, "kvstack_stats", None)
+    if stats is None:
+        raise ValueError("engine_stats(llm): this engine's scheduler is not in this process (or is not kvstack's); "
+                         "set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM, with engine_args(...)")
+    return stats

@@ -53,15 +53,19 @@ class BlockEvictionPlan:
     budget holds from ``seen >= block_size / r`` tokens on; below that a request holds its one block.
     """
 
+    spec: StackSpec  # the stack as it runs: its one evict stage, with the engine's block size
     stage: StageSpec
     budget: Budget
     block_size: int
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_spec(cls, source: "StackSpec | dict | str | Path", block_size: int | None = None) -> "BlockEvictionPlan":
+    def from_spec(
+        cls, source: "StackSpec | dict | str | Path", block_size: int | None = None, budget: "Budget | dict | None" = None
+    ) -> "BlockEvictionPlan":
         """Check that ``source`` runs in vLLM and build its plan. ``block_size`` replaces the stage's (the engine's
-        block size must be the eviction block: vLLM frees whole blocks)."""
+        block size must be the eviction block: vLLM frees whole blocks); ``budget`` replaces the stack's and the
+        stage's own."""
         spec = StackSpec.load(source)
         if not spec.stages:
             raise SpecError(f"stack {spec.name!r} has no stages: in vLLM, run the engine without kvstack")
@@ -77,14 +81,17 @@ class BlockEvictionPlan:
         if spec.prefill_chunk is not None:
             raise SpecError(f"prefill_chunk={spec.prefill_chunk!r} is not allowed in vLLM: None (vLLM splits prefills "
                             "itself: set max_num_batched_tokens on the engine)")
+        if block_size is not None or budget is not None:
+            data = spec.model_dump()
+            if block_size is not None:
+                data["stages"][0]["block_size"] = block_size
+            if budget is not None:
+                data["budget"] = budget.model_dump() if isinstance(budget, Budget) else budget
+                data["stages"][0]["budget"] = None
+            spec = StackSpec.load(data)  # every check again, the budget against the new block size included
         stage = spec.stages[0]
-        if block_size is not None:
-            data = stage.model_dump()
-            data["block_size"] = block_size
-            stage = type(stage).model_validate(data)
-            spec = StackSpec.load(spec.model_copy(update={"stages": [stage]}).model_dump())  # budget checks again
         cls._check_stage(stage)
-        return cls(stage=stage, budget=stage.effective_budget(spec.budget), block_size=stage.block_size)
+        return cls(spec=spec, stage=stage, budget=stage.effective_budget(spec.budget), block_size=stage.block_size)
 
     @staticmethod
     def _check_stage(stage) -> None:
