@@ -92,7 +92,6 @@ def engine_run(
             row["logprobs"] = [step[t].logprob for step, t in zip(seq.logprobs, seq.token_ids)]
         result["outputs"].append(row)
     stats = dataclasses.asdict(scheduler.kvstack_stats)
-    stats.pop("last")
     stats["free_blocks_at_end"] = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     result["stats"] = stats
     return result

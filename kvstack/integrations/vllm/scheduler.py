@@ -40,8 +40,6 @@ class BlockStats:
     blocks_freed: int = 0
     steps_over_budget: int = 0  # steps after which a request held more blocks than its budget allows (0: kept)
     max_held_blocks: int = 0  # most real blocks one request held after a step
-    #: request id -> (real blocks held, blocks allowed, tokens seen) after its last step
-    last: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class CountingScheduler(Scheduler):
@@ -138,8 +136,6 @@ class KVStackScheduler(CountingScheduler):
                 state.scores.pop(j, None)
             self.kv_cache_manager.block_pool.free_blocks(freed)
             self.kvstack_stats.blocks_freed += len(freed)
-        now = len(held) - len(victims)
-        allowed = plan.allowed_blocks(seen)
+        now = sum(not b.is_null for b in blocks)  # every real block the request holds, allocated ahead included
         self.kvstack_stats.max_held_blocks = max(self.kvstack_stats.max_held_blocks, now)
-        self.kvstack_stats.steps_over_budget += now > allowed
-        self.kvstack_stats.last[rid] = (now, allowed, seen)
+        self.kvstack_stats.steps_over_budget += now > plan.allowed_blocks(seen)
