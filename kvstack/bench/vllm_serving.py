@@ -113,20 +113,15 @@ def run_in_subprocess(timeout: float = 900, **kwargs) -> dict:
 
 # ------------------------------------------------------------------------------------------------- the benchmark
 def _needle_prompts(hf_dir: Path, lengths, tasks_per_length: int):
+    """The needle tasks as one prompt each: the same tokens kvstack's own needle protocol feeds (context, then the
+    question with the assistant header), which vLLM prefills together."""
     from transformers import AutoTokenizer
 
-    from kvstack.bench.real_model import load_needle_tasks
+    from kvstack.bench.real_model import load_needle_tasks, needle_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     tasks = load_needle_tasks(per_length=tasks_per_length, lengths=lengths)
-    prompts = []
-    for task in tasks:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{task['context']}\n\n{task['question']}"}],
-            tokenize=False, add_generation_prompt=True,
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return tasks, prompts
+    return tasks, [[int(t) for part in needle_prompt(tokenizer, task) for t in part] for task in tasks]
 
 
 def benchmark(args) -> dict:
