@@ -18,6 +18,16 @@ from kvstack.bench.protocol import data_path, load_model, load_passages, model_p
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models gain
+    nothing from more, and on a shared 2-core machine spinning workers make each step many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _require(path) -> None:
     if not path.exists():
         message = f"real test data missing: {path} (set KVSTACK_MODEL / KVSTACK_DATA)"

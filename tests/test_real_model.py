@@ -22,13 +22,7 @@ PROMPT = 64  # tokens of the identity check
 PREFIX, MAX_LEN = 96, 120  # code_kl: 23 one-token steps on a truncated passage
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On a shared 2-core machine intra-op threads spin against each other (each step many times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

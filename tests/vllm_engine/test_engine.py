@@ -19,6 +19,15 @@ from reference import generate
 BLOCK = 32
 
 
+def test_a_block_size_the_cpu_kernel_cannot_read_is_refused_before_an_engine_starts():
+    from kvstack import SpecError
+    from kvstack.integrations.vllm import engine_args
+
+    with pytest.raises(SpecError, match="block_size=16 is not allowed on vLLM's CPU build: a multiple of 32"):
+        engine_args("paged-eviction")  # the preset's 16-token blocks
+    assert engine_args("paged-eviction", block_size=32)["block_size"] == 32
+
+
 def _tiny_llama(path, heads, kv_heads, seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.stack.base import Budget
+from kvstack.stack.errors import SpecError
 from kvstack.stack.spec import StackSpec
 
 from .plan import CONFIG_KEY, BlockEvictionPlan, compact_block_table
@@ -47,6 +48,7 @@ def engine_args(
     here, so a spec vLLM cannot run fails before an engine starts.
     """
     plan = BlockEvictionPlan.from_spec(stack, block_size=block_size, budget=budget)
+    _check_block_size_here(plan.block_size)
     for name, needed in _REQUIRED.items():
         if name in overrides and overrides[name] != needed:
             raise ValueError(f"{name}={overrides[name]!r} is not allowed with kvstack in vLLM: {needed!r}")
@@ -60,6 +62,17 @@ def engine_args(
         "worker_cls": WORKER,
         "additional_config": extra,
     }
+
+
+def _check_block_size_here(block_size: int) -> None:
+    """vLLM's CPU attention reads blocks in multiples of 32 tokens; say so before an engine fails deep inside."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM here: the engine will check
+        return
+    if current_platform.is_cpu() and block_size % 32:
+        raise SpecError(f"block_size={block_size} is not allowed on vLLM's CPU build: a multiple of 32 (pass "
+                        "engine_args(..., block_size=32))")
 
 
 def check_engine(vllm_config) -> None:

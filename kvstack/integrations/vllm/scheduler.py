@@ -136,6 +136,7 @@ class KVStackScheduler(CountingScheduler):
                 state.scores.pop(j, None)
             self.kv_cache_manager.block_pool.free_blocks(freed)
             self.kvstack_stats.blocks_freed += len(freed)
-        now = sum(not b.is_null for b in blocks)  # every real block the request holds, allocated ahead included
+        ahead = sum(not b.is_null for b in blocks[n_blocks:])  # allocated for tokens not computed yet
+        now = len(held) - len(victims) + ahead
         self.kvstack_stats.max_held_blocks = max(self.kvstack_stats.max_held_blocks, now)
         self.kvstack_stats.steps_over_budget += now > plan.allowed_blocks(seen)
