@@ -100,6 +100,8 @@ def quantized_prune_options(draw):
         [{"fraction": 0.02, "bits": 16}, {"fraction": 0.6, "bits": 3}, {"rest": True, "bits": 2}],
         [{"fraction": 0.1, "bits": 16}, {"rest": True, "bits": 3}],
         [{"fraction": 0.5, "bits": 4}, {"rest": True, "bits": 3}],
+        [{"fill": True, "bits": 16}, {"rest": True, "bits": 3}],
+        [{"fill": True, "bits": 8}, {"fraction": 0.5, "bits": 4}, {"rest": True, "bits": 2}],
     ]))
     stage = {
         "kind": "quantized_prune", "scorer": draw(st.sampled_from(["h2o", "key_norm", "window"])),
@@ -107,6 +109,7 @@ def quantized_prune_options(draw):
         "group_size": draw(st.sampled_from([8, 16])), "value_group_size": draw(st.sampled_from(["head_dim", 8])),
         "rotate": draw(st.sampled_from(["none", "hadamard", "random"])), "key_rope": draw(st.sampled_from(["post", "pre"])),
         "codebook": draw(st.sampled_from(["uniform", "nf"])), "scale_dtype": draw(st.sampled_from(cheaper)),
+        "every": draw(st.sampled_from([None, 1, 4])),
     }
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}

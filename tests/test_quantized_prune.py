@@ -119,6 +119,42 @@ def test_ratio_budget_buys_more_tokens_at_lower_precision(ratio, bits, options):
     assert held[f"quantized{bits}"] >= n - 16
 
 
+@pytest.mark.parametrize("every", [None, 4])
+def test_a_fill_tier_takes_the_bytes_the_levels_below_leave(every):
+    """``[{fill: true, bits: 16}, {rest: true, bits: 3}]`` under ``ratio: 0.3``: every token is kept at 3 bits while
+    they fit, and the sinks and newest tokens take what is left at 16 bits — as many as fit, less the room for the
+    tokens that arrive before the next assignment."""
+    model = tiny_model("llama", head_dim=16)
+    spec = kvstack.StackSpec.load(stack(
+        stack_budget={"ratio": 0.3}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
+        scale_dtype="float8_e4m3fn",
+        every=every, tiers=[{"fill": True, "bits": 16}, {"rest": True, "bits": 3}],
+    ))
+    stage: QuantizedPruneSpec = spec.stages[0]
+    shape = kvstack.ModelShape.from_model(model)
+    split = stage.level_split(shape, torch.float32, spec.budget)
+    full_counts = []
+    with kvstack.applied(model, spec):
+        for cache in drive(model, None, prefill=200, steps=20):
+            seen = cache.get_seq_length()
+            layer = cache.layers[0]
+            assert cache.memory_bytes() <= 0.3 * cache.full_bytes()  # the promise
+            held = counts(layer)
+            assert held["full"] + held["quantized3"] == seen  # nothing evicted: 3 bits hold every token
+            full_counts.append(held["full"])
+            if seen % stage.period == 0:  # just re-assigned: the fill tier is as large as the bytes allow
+                limit = split._limit(seen, 0)
+                limit -= split._slack_bytes(limit)
+                fill = held["full"]
+                assert split.cost(seen, fill) <= limit < split.cost(seen, fill + 1)
+                positions = sorted(p for p in layer.full.positions[0, 0].tolist() if p >= 0)
+                assert positions == [0, 1, *range(seen - fill + 2, seen)]  # sinks, then the newest
+    assert min(full_counts) > 2  # more than the sinks: the budget left room
+    # a shorter period reserves less room for the tokens that arrive meanwhile: a larger fill tier after assignment
+    longer = stage.model_copy(update={"every": 16}).level_split(shape, torch.float32, spec.budget)
+    assert split.fill_count(216, 0, 216) > longer.fill_count(216, 0, 216)
+
+
 def test_all_tokens_at_16_bits_is_the_identity():
     model = tiny_model("llama", dtype=torch.float64)  # h2o's statistics take the tiled path, identity SDPA
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -144,10 +180,14 @@ def test_all_tokens_at_16_bits_is_the_identity():
         ({"tiers": TIERS, "group_size": 6}, r"group_size=6 .* multiple of 4"),
         ({"tiers": LOW_BITS, "group_size": 4}, r"group_size=4 .* multiple of 8 for bits=3 \(8 codes packed in 3"),
         ({"bits": 3, "budget": {"ratio": 0.5}, "group_size": 8, "value_group_size": 4}, r"value_group_size=4 .* multiple of 8"),
-        ({"tiers": [{"fraction": 0.5, "bits": 8}, {"rest": True, "bits": 3}], "group_size": 8, "codebook": "nf"},
+        ({"tiers": [{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 8}], "group_size": 8, "codebook": "nf"},
          r"codebook='nf' is not allowed: uniform with bits=8"),
         ({"tiers": TIERS, "rotate": "fourier"}, r"rotate"),
         ({"tiers": [{"rest": True, "bits": 5}]}, r"bits"),
+        ({"tiers": [{"fraction": 0.5, "bits": 16}, {"fill": True, "bits": 4}]}, r"tiers.fill=True .* first tier"),
+        ({"tiers": [{"fill": True, "bits": 16}, {"rest": True, "bits": 4}]}, r"tiers.fill=True .* a budget"),
+        ({"tiers": [{"fill": True, "bits": 16}], "budget": {"ratio": 0.5}}, r"tiers.fill=True .* a tier below"),
+        ({"tiers": [{"fill": True, "rest": True, "bits": 16}]}, "exactly one of 'fraction', 'rest: true' or 'fill"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):
@@ -258,9 +298,11 @@ def _by_position(x, positions):
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_every_level_stores_what_the_options_say(options):
     """Each quantized level holds ``R unrope(k)`` / ``R v`` (docs/quantization.md) of its tokens in the options'
-    levels and scale format — the same stored domain a ``quantize`` stage with these options keeps."""
+    levels and scale format — the same stored domain a ``quantize`` stage with these options keeps (an 8-bit level
+    keeps uniform levels under ``codebook: nf``)."""
     model = tiny_model("llama")
-    tiers = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 3}]
+    tiers = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 8}, {"fraction": 0.25, "bits": 4},
+             {"rest": True, "bits": 3}]
     cache, ids = prefill(model, options_stack(tiers, **options), 64)
     full, _ = prefill(model, "identity", 64)
     shape = kvstack.ModelShape.from_model(model)
@@ -270,7 +312,8 @@ def test_every_level_stores_what_the_options_say(options):
         for tier in layer.tiers[1:]:
             codec = tier.codec
             assert (codec.levels, codec.scale_dtype, codec.rotate) == (want.levels, want.scale_dtype, want.rotate)
-            assert tier.key_groups().levels == options.get("codebook", "uniform")
+            codebook = options.get("codebook", "uniform") if tier.bits <= 4 else "uniform"
+            assert tier.key_groups().levels == tier.value_groups().levels == codebook
             keys = _by_position(reference.full.keys, tier.positions)
             values = _by_position(reference.full.values, tier.positions)
             stored_k = dequantize(tier.key_groups(), torch.float32)

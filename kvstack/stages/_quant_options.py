@@ -71,7 +71,8 @@ class QuantOptions(BaseModel):
     codebook: Literal["uniform", "nf"] = Field(
         default="uniform",
         description="Quantization levels of a group: uniform (min-max steps) or nf (normal-float: Lloyd-Max levels "
-        "of a Gaussian between the group's min and max), same bytes; nf for bits 2, 3 or 4.",
+        "of a Gaussian between the group's min and max), same bytes; nf acts on levels of 2, 3 or 4 bits (an "
+        "8-bit level stays uniform).",
     )
     scale_dtype: Literal["model", "float16", "bfloat16", "float8_e4m3fn"] = Field(
         default="model",
@@ -88,8 +89,11 @@ class QuantOptions(BaseModel):
 
     def check_quant_options(self, bits: list[int]) -> None:
         """Shape-independent checks (``bits``: the quantized widths the stage stores)."""
-        if self.codebook == "nf" and any(b == 8 for b in bits):
-            raise spec_error("codebook", "nf", "uniform with bits=8 (normal-float levels are for bits 2, 3 or 4)")
+        if self.codebook == "nf" and bits and all(b == 8 for b in bits):
+            raise spec_error(
+                "codebook", "nf", "uniform with bits=8 (normal-float levels are for bits 2, 3 or 4; an 8-bit level "
+                "next to lower ones stays uniform)",
+            )
 
     def check_quant_options_for(self, shape, bits: list[int]) -> None:
         """Checks against the model (only when some level is quantized)."""

@@ -171,6 +171,8 @@ class QuantizedTier(ExactTier):
         self.dtype = dtype
         self.label = label
         self.codec = codec or TierCodec()
+        # normal-float levels exist for 2-4 bits; an 8-bit level sharing a codec with lower ones stays uniform
+        self.levels = self.codec.levels if bits <= 4 else "uniform"
         self.holds_codec_tensors = holds_codec_tensors
         self.token_data = {}
         self.head_dim: int | None = None  # full key width, once key channels are pruned
@@ -188,7 +190,7 @@ class QuantizedTier(ExactTier):
         shape = (b, h, self.num_tokens, d)
         q = (self.key_codes, self.key_scale, self.key_zero)
         return QuantizedGroups(
-            *q, self.bits, self.group_size, "token", shape, self.codec.levels, self._data_dtype("token")
+            *q, self.bits, self.group_size, "token", shape, self.levels, self._data_dtype("token")
         )
 
     def value_groups(self) -> QuantizedGroups:
@@ -197,7 +199,7 @@ class QuantizedTier(ExactTier):
         shape = (b, h, t, packed * codes // nbytes)
         return QuantizedGroups(
             self.value_codes, self.value_scale, self.value_zero, self.bits, self.value_group, "channel", shape,
-            self.codec.levels, self._data_dtype("channel"),
+            self.levels, self._data_dtype("channel"),
         )
 
     def _quantize(self, x: torch.Tensor, group: int, axis: str, what: str) -> QuantizedGroups:
@@ -205,7 +207,7 @@ class QuantizedTier(ExactTier):
         scale_dtype = self.codec.scale_dtype or (self.dtype if data != self.dtype else None)
         try:
             return quantize(
-                x.to(data).contiguous(), self.bits, group, axis, levels=self.codec.levels, scale_dtype=scale_dtype
+                x.to(data).contiguous(), self.bits, group, axis, levels=self.levels, scale_dtype=scale_dtype
             )
         except ValueError as err:
             raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None

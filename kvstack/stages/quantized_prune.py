@@ -14,7 +14,10 @@ Two forms:
   with a ``fraction`` of the kept tokens, the last one may be ``rest: true``. E.g. ``[{fraction: 0.2, bits: 16},
   {fraction: 0.3, bits: 4}, {rest: true, bits: 2}]``. Without a budget every token is kept (and fractions that do not
   sum to 1 without a ``rest`` entry evict the remainder); with a budget (own or the stack's) the kept count ``N``
-  comes from the budget and the fractions split it.
+  comes from the budget and the fractions split it. A first tier with ``fill: true`` is sized by bytes instead: the
+  tiers below keep every token they can hold, and the fill tier takes the best-ranked of them as far as the bytes
+  left allow (``[{fill: true, bits: 16}, {rest: true, bits: 3}]`` with ``scorer: window``: KIVI's full-precision
+  residual sized to the budget; preset ``kivi-3-budget``).
 * ``bits`` with a budget: tokens that eviction to that budget would keep stay in full precision, the tokens it would
   drop are demoted to ``bits`` instead (nothing is evicted).
 
@@ -59,7 +62,8 @@ LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a
 
 
 class PrecisionTier(BaseModel):
-    """One precision level: a ``fraction`` of the kept tokens (or the ``rest``) stored at ``bits``."""
+    """One precision level: a ``fraction`` of the kept tokens, the ``rest``, or (first tier only) what ``fill``s the
+    budget, stored at ``bits``."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -68,11 +72,18 @@ class PrecisionTier(BaseModel):
     )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
+    fill: bool = Field(
+        default=False,
+        description="First tier only, with a budget: the best-ranked tokens, as many as the bytes the other tiers "
+        "leave fit (they keep every token they can hold first).",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> "PrecisionTier":
-        if (self.fraction is None) == (not self.rest):
-            raise ValueError(f"a tier sets exactly one of 'fraction' or 'rest: true'; got {self.model_dump()}")
+        if sum([self.fraction is not None, self.rest, self.fill]) != 1:
+            raise ValueError(
+                f"a tier sets exactly one of 'fraction', 'rest: true' or 'fill: true'; got {self.model_dump()}"
+            )
         return self
 
 
@@ -136,6 +147,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 raise spec_error("tiers.bits", bits, "strictly decreasing bits, most important tier first")
             if any(t.rest for t in self.tiers[:-1]):
                 raise spec_error("tiers.rest", True, "only on the last tier")
+            if any(t.fill for t in self.tiers[1:]):
+                raise spec_error("tiers.fill", True, "only on the first tier")
+            if self.tiers[0].fill and (budget is None or len(self.tiers) == 1):
+                raise spec_error(
+                    "tiers.fill", True,
+                    "a budget (on the stage or the stack) and a tier below it: it takes the bytes they leave",
+                )
             total = sum(t.fraction or 0.0 for t in self.tiers)
             if total > 1 + 1e-9:
                 raise spec_error("tiers.fraction", total, "fractions summing to at most 1")
@@ -192,8 +210,9 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once per
         cache and dtype; ``reference``: the shape the budget is against, default ``shape``)."""
         budget = self.effective_budget(stack_budget)
+        fill = bool(self.tiers) and self.tiers[0].fill
         cumulative, acc = [], 0.0
-        for level in self.levels():
+        for level in self.levels()[1 if fill else 0:]:  # a fill tier is sized by bytes, not by a share
             acc += level.fraction or 0.0
             cumulative.append(None if level.rest else acc)
         vg = value_group_for(self.value_group_size, self.group_size, shape)
@@ -212,7 +231,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             cumulative if self.tiers is not None else None,
             # the rotation matrix is per layer, not per row: reserving it in every row's share over-counts for
             # batches > 1, never under-counts
-            fixed=self.fixed_bytes(shape),
+            fixed=self.fixed_bytes(shape), fill=fill, group=self.group_size,
         )
 
     def slot_bytes(self, shape, dtype, bits: int, extra: int):
@@ -222,14 +241,12 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             shape, dtype, bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype()
         )
 
-    def shares(self) -> list[float]:
-        fractions = [t.fraction for t in self.levels() if not t.rest]
-        return fractions + ([1.0 - sum(fractions)] if self.levels()[-1].rest else [])
-
     def level_counts(self, shape, dtype, stack_budget, seen: int, held: int) -> list[int]:
         """Tokens per level (per row and KV head); tokens beyond their sum are evicted."""
         split = self.level_split(shape, dtype, stack_budget)
-        bounds = split.bounds(split.cap(seen), torch.tensor([held]))[0].tolist()
+        cap = split.cap(seen)
+        fill = split.fill_count(seen, 0, min(cap, held)) if split.fill else 0
+        bounds = split.bounds(cap, torch.tensor([held]), fill)[0].tolist()
         return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
     def plan_memory(self, plan, stack_budget) -> None:
@@ -265,21 +282,72 @@ class LevelSplit:
     that arrive at ``full`` bytes each before the next assignment (less the budget's growth meanwhile), and at most
     ``tokens``. Level i takes ranks ``[bound_{i-1}, bound_i)`` with ``bound_i = floor(cumulative_i * N)`` (``None``:
     the rest, ``N``). The short form (``cumulative`` None) keeps ``N`` at 16 bits and demotes the rest. ``fixed``:
-    bytes the layer holds whatever ``N`` (the codec's tensors), taken from every limit."""
+    bytes the layer holds whatever ``N`` (the codec's tensors), taken from every limit.
 
-    def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0):
+    With a ``fill`` tier (level 0), ``N`` is the most tokens the levels below hold within the limit (the fill tier
+    gives up its room to the tokens that arrive before the next assignment), and ``fill_count`` is how many of the
+    best-ranked of them the bytes left — less that ``slack`` — keep at the fill tier's precision; the levels below
+    split the other ``N - fill`` by their fractions."""
+
+    def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0,
+                 fill: bool = False, group: int = 1):
         self.budget, self.reference, self.costs = budget, reference, costs
         self.full, self.slack, self.cumulative, self.fixed = full, slack, cumulative, fixed
-        self._cache: dict[tuple[int, int], int] = {}
+        self.fill, self.group = fill, group  # a fill tier; the key group of the quantized levels
+        self._cache: dict[tuple, int] = {}
 
-    def counts(self, n: int) -> list[int]:
+    def counts(self, n: int, fill: int = 0) -> list[int]:
         if self.cumulative is None:
             return [n]
-        bounds = [n if c is None else min(n, math.floor(n * c + 1e-9)) for c in self.cumulative]
-        return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+        top = min(fill, n) if self.fill else 0
+        rest = n - top
+        bounds = [rest if c is None else min(rest, math.floor(rest * c + 1e-9)) for c in self.cumulative]
+        below = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+        return [top, *below] if self.fill else below
 
-    def cost(self, n: int) -> int:
-        return sum(cost(count) for cost, count in zip(self.costs, self.counts(n)))
+    def cost(self, n: int, fill: int = 0) -> int:
+        return sum(cost(count) for cost, count in zip(self.costs, self.counts(n, fill)))
+
+    def _limit(self, seen: int, reserved: int) -> int:
+        return self.budget.limit_bytes(seen, self.reference) - reserved - self.fixed
+
+    def _slack_bytes(self, limit: int) -> int:
+        """Room for the tokens that arrive in full precision before the next assignment (net of the budget's growth
+        meanwhile; at most a quarter of the limit: beyond that the stage re-assigns early, when the layer is over
+        its limit)."""
+        growth = 0 if self.budget.ratio is None else self.budget.ratio * self.reference
+        return min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
+
+    def fill_count(self, seen: int, reserved: int, n: int) -> int:
+        """Tokens of the fill tier among ``n`` kept ones (0 without a fill tier): the most whose bytes, with the other
+        ``n - fill`` in the levels below, stay within the limit less the slack."""
+        if not self.fill or self.budget is None or n <= 0:
+            return 0
+        key = ("fill", seen, reserved, n)
+        if key not in self._cache:
+            limit = self._limit(seen, reserved)
+            limit -= self._slack_bytes(limit)
+            # each pass gives the fill tier what the levels below leave; they cost no more with fewer tokens, so
+            # every x found stays within the limit as it grows. The levels below shrink a key group at a time, so
+            # past a fixed point one more group's worth of candidates is tried before stopping.
+            x = 0
+            while True:
+                room = limit - (self.cost(n, x) - self.costs[0](x))
+                grown = _most(self.costs[0], room, n)
+                if grown > x:
+                    x = grown
+                    continue
+                ahead = [y for y in range(x + 1, min(n, x + self.group) + 1) if self.cost(n, y) <= limit]
+                if not ahead:
+                    break
+                x = ahead[-1]
+            self._remember(key, x)
+        return self._cache[key]
+
+    def _remember(self, key, value: int) -> None:
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[key] = value
 
     def cap(self, seen: int, reserved: int = 0) -> int | None:
         """The kept count N after ``seen`` tokens (None without a budget: keep every held token)."""
@@ -289,14 +357,12 @@ class LevelSplit:
         if key not in self._cache:
             # the codec's tensors are reserved whatever N: until the limit exceeds them nothing is kept (N = 0, so
             # nothing quantized and no matrix held)
-            limit = self.budget.limit_bytes(seen, self.reference) - reserved - self.fixed
+            limit = self._limit(seen, reserved)
             if limit <= 0:
                 self._cache[key] = 0
                 return 0
-            growth = 0 if self.budget.ratio is None else self.budget.ratio * self.reference
-            # room for the tokens that arrive before the next assignment (at most a quarter of the limit: beyond
-            # that the stage re-assigns early, when the layer is over its limit)
-            limit -= min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
+            if not self.fill:  # a fill tier gives its room to the tokens that arrive meanwhile
+                limit -= self._slack_bytes(limit)
             top = None if self.budget.tokens is None else self.budget.tokens + 1
             lo, hi = 0, 1
             while self.cost(hi) <= limit and (top is None or hi < top):  # cost is monotone in n
@@ -306,19 +372,32 @@ class LevelSplit:
             while hi - lo > 1:  # the largest n that fits
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if self.cost(mid) <= limit else (lo, mid)
-            if len(self._cache) > 4096:
-                self._cache.clear()
-            self._cache[key] = lo
+            self._remember(key, lo)
         return self._cache[key]
 
-    def bounds(self, cap: int | None, held: torch.Tensor) -> torch.Tensor:
-        """held [...] tokens per (row, head) -> cumulative level bounds [..., L] (int64, no host sync)."""
+    def bounds(self, cap: int | None, held: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """held [...] tokens per (row, head) -> cumulative level bounds [..., L] (int64, no host sync). ``fill``: the
+        fill tier's count for ``cap`` kept tokens (``fill_count``; fewer kept tokens cost no more with it)."""
         held = held.long()
         n = held if cap is None else held.clamp_max(cap)
         if self.cumulative is None:
             return torch.stack([n, held], -1)
-        columns = [n if c is None else torch.minimum(n, (n.double() * c + 1e-9).floor().long()) for c in self.cumulative]
-        return torch.stack(columns, -1)
+        top = n.clamp_max(fill) if self.fill else torch.zeros_like(n)
+        rest = n - top
+        columns = [top + (rest if c is None else torch.minimum(rest, (rest.double() * c + 1e-9).floor().long()))
+                   for c in self.cumulative]
+        return torch.stack([top, *columns] if self.fill else columns, -1)
+
+
+def _most(cost, room: int, top: int) -> int:
+    """The largest ``n <= top`` with ``cost(n) <= room`` (``cost`` nondecreasing, ``cost(0) == 0``)."""
+    if room < 0:
+        return 0
+    lo, hi = 0, top + 1  # cost(lo) fits; hi is out of range or does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) <= room else (lo, mid)
+    return lo
 
 
 class QuantizedPruneStage(Stage):
@@ -406,7 +485,10 @@ class QuantizedPruneStage(Stage):
         rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
         )
-        bounds = self.split_for(layer).bounds(cap, valid.sum(-1))  # [B, W, L]
+        split = self.split_for(layer)
+        # sized for the most tokens a row can hold (``seen``: no host sync); rows holding fewer cost no more
+        fill = split.fill_count(layer.seen, layer.reserved_bytes(), min(cap, layer.seen)) if split.fill else 0
+        bounds = split.bounds(cap, valid.sum(-1), fill)  # [B, W, L]
         level = (rank[..., None] >= bounds[..., None, :]).sum(-1)
         level = torch.where(valid, level, torch.full_like(level, bounds.shape[-1]))
         return list(level.split([t.num_tokens for _, t in tiers], dim=-1))

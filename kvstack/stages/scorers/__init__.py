@@ -194,6 +194,8 @@ class Scorer:
 
     name: ClassVar[str] = ""
     head_wise: ClassVar[bool] = False
+    #: the scores are a function of the tokens' positions alone (no keys, values or attention read)
+    position_only: ClassVar[bool] = False
     #: the scorer's own parameters: subclasses declare ``class Params(ScorerParams)``; read them as ``self.params``
     Params: ClassVar[type[ScorerParams]] = ScorerParams
 

@@ -15,6 +15,7 @@ from . import Scorer, register_scorer
 @register_scorer
 class WindowScorer(Scorer):
     name = "window"
+    position_only = True
 
     def scores(self, layer, tier_index, tier, stats) -> torch.Tensor:
         return tier.positions.to(torch.float32)
