@@ -32,7 +32,7 @@ def test_load_from_every_source(tmp_path):
     n_sink=st.integers(0, 8),
     recent=st.integers(0, 8),
     phase=st.sampled_from(["always", "prefill", "decode"]),
-    name=st.text(min_size=1, max_size=12),
+    name=st.text(min_size=1, max_size=12).filter(str.isprintable),
 )
 def test_yaml_round_trip(tokens, n_sink, recent, phase, name):
     stage = {"kind": "evict", "n_sink": n_sink, "recent": recent, "phase": phase}
@@ -42,6 +42,12 @@ def test_yaml_round_trip(tokens, n_sink, recent, phase, name):
     again = StackSpec.load(spec.to_yaml())
     assert again == spec
     assert again.to_yaml() == spec.to_yaml()
+
+
+@pytest.mark.parametrize("name", ["a\x85b", "two\nlines", "tab\t"])
+def test_a_name_that_would_not_read_back_is_refused(name):
+    with pytest.raises(kvstack.SpecError, match="name: one line of printable characters"):
+        StackSpec.load({"name": name, "stages": []})
 
 
 def test_every_preset_round_trips_and_lists():

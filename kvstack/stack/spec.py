@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from .base import Budget, StageSpec
@@ -50,6 +50,15 @@ class StackSpec(BaseModel):
         description="Prefill prompts longer than this in pieces of this many tokens; the stages compress after "
         "each piece, so peak memory stays bounded (results may differ: docs/long-context.md).",
     )
+
+    @field_validator("name", "description")
+    @classmethod
+    def _one_printable_line(cls, value: str) -> str:
+        # a YAML reader takes some non-printable characters (NEL, U+2028) for line breaks: the spec would not
+        # read back as written
+        if not value.isprintable():
+            raise ValueError("one line of printable characters")
+        return value
 
     @model_validator(mode="after")
     def _stages_fit_budget(self) -> "StackSpec":
