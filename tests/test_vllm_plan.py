@@ -32,6 +32,8 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
     "source, message",
     [
         ("kivi-4", "stages.0.kind='quantize' is not allowed in vLLM yet (quantized tiers"),
+        ("quantized-pruning-3", "vLLM's own fp8 cache composes with block eviction: engine_args(..., "
+                                "kv_cache_dtype='fp8_e4m3')"),
         ("max-compression", "is not allowed in vLLM yet"),
         (stack(stages=[]), "has no stages"),
         (stack(granularity="token"), "stages.0.granularity='token' is not allowed in vLLM: 'block'"),
@@ -46,6 +48,12 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
 def test_specs_vllm_cannot_run_are_refused_with_the_field(source, message):
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         BlockEvictionPlan.from_spec(source)
+
+
+def test_window_scores_positions_and_reads_no_layer():
+    window = BlockEvictionPlan.from_spec(stack(scorer="window", n_sink=4))
+    assert window.position_only and not BlockEvictionPlan.from_spec(stack()).position_only
+    assert window.position_scores(100, 3).tolist() == [100.0, 101.0, 102.0]
 
 
 def test_a_new_block_size_is_checked_against_the_budget():

@@ -39,6 +39,7 @@ def engine_run(
     max_model_len: int = 4096,
     num_blocks: int | None = None,
     max_num_batched_tokens: int | None = None,
+    long_prefill_token_threshold: int = 0,
     logprobs: bool = False,
     tokenizer: bool = True,
     memory_fraction: float = 0.3,
@@ -58,6 +59,7 @@ def engine_run(
     settings = dict(
         ENGINE_DEFAULTS, dtype=dtype, max_model_len=max_model_len, skip_tokenizer_init=not tokenizer,
         num_gpu_blocks_override=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+        long_prefill_token_threshold=long_prefill_token_threshold,
         gpu_memory_utilization=memory_fraction, tensor_parallel_size=tensor_parallel_size,
         kv_cache_dtype=kv_cache_dtype,
     )
@@ -133,37 +135,58 @@ def benchmark(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     tasks, prompts = _needle_prompts(hf_dir, lengths, args.tasks)
     engines = {"stock vLLM": (None, "auto")}
+    budget = {"ratio": args.ratio} if args.ratio is not None else {"tokens": args.budget}
+    label = f"ratio {args.ratio}" if args.ratio is not None else f"{args.budget} tokens"
     for preset in args.stacks.split(","):
-        engines[f"{preset} @ {args.budget} tokens"] = (preset, "auto")
-    budget = {"tokens": args.budget}
+        engines[f"{preset} @ {label}"] = (preset, "auto")
     if args.fp8:  # vLLM's own fp8 KV cache, alone and under each stack
         for name, (stack, _) in list(engines.items()):
             engines[f"{name} + fp8 cache"] = (stack, "fp8_e4m3")
     common = dict(model=str(hf_dir), prompts=prompts, max_tokens=args.max_tokens, dtype=args.dtype,
                   block_size=args.block_size, max_model_len=max(lengths) + 512,
                   max_num_batched_tokens=args.max_num_batched_tokens)
+    stock_threshold = (args.long_prefill_token_threshold if args.stock_long_prefill_token_threshold is None
+                       else args.stock_long_prefill_token_threshold)  # stock vLLM may run at its own best setting
     rows = []
     for name, (stack, cache_dtype) in engines.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
         # the same pool in bytes for every engine: an fp8 cache gets twice the blocks
         blocks = args.num_blocks and args.num_blocks * (2 if cache_dtype.startswith("fp8") else 1)
+        threshold = stock_threshold if stack is None else args.long_prefill_token_threshold
         run = run_in_subprocess(stack=stack, budget=stack and budget, kv_cache_dtype=cache_dtype, num_blocks=blocks,
-                                **common)
+                                long_prefill_token_threshold=threshold, **common)
         correct = [str(t["answer"]) in (o["text"] or "") for t, o in zip(tasks, run["outputs"])]
-        per_length = {n: sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
+        # string keys: the table reads the result the same before and after a JSON round trip
+        per_length = {str(n): sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
+        generated = sum(len(o["token_ids"]) for o in run["outputs"])
+        stats = run["stats"]
         rows.append({"stack": name, "preset": stack, "budget": stack and budget, "accuracy": per_length,
+                     "long_prefill_token_threshold": threshold,
                      "tasks_per_length": args.tasks,
                      "kv_cache_dtype": cache_dtype, "block_bytes": run["block_bytes"],
-                     "generate_seconds": run["generate_seconds"], "pool_blocks": run["num_blocks"], **run["stats"]})
+                     "generate_seconds": run["generate_seconds"], "pool_blocks": run["num_blocks"],
+                     "generated_tokens": generated, "output_tokens_per_s": generated / run["generate_seconds"],
+                     "tokens_per_s": (generated + sum(map(len, prompts))) / run["generate_seconds"],
+                     "mean_running": stats["running_steps"] / max(stats["steps"], 1),
+                     "mean_running_while_queued": stats["running_while_queued"] / max(stats["queued_steps"], 1),
+                     **stats})
     base = rows[0]
     for row in rows:
         row["time_vs_stock"] = row["generate_seconds"] / base["generate_seconds"]
+        row["tokens_per_s_vs_stock"] = row["tokens_per_s"] / base["tokens_per_s"]
+        for key in ("peak_running", "mean_running", "mean_running_while_queued"):
+            row[f"{key}_vs_stock"] = row[key] / base[key]
+        # requests of this workload a pool of the same bytes holds at once, from the most one request held
+        row["requests_per_pool_vs_stock"] = (base["peak_request_blocks_during_step"] * base["block_bytes"]) / (
+            row["peak_request_blocks_during_step"] * row["block_bytes"])
         for when in ("during_step", "in_use"):
             row[f"peak_bytes_{when}_vs_stock"] = (row[f"peak_blocks_{when}"] * row["block_bytes"]) / (
                 base[f"peak_blocks_{when}"] * base["block_bytes"])
     return {"metadata": {"model": source.name, "lengths": lengths, "tasks_per_length": args.tasks,
                          "dtype": args.dtype, "block_size": args.block_size, "pool_blocks": args.num_blocks,
-                         "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": args.max_tokens},
+                         "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": args.max_tokens,
+                         "long_prefill_token_threshold": args.long_prefill_token_threshold,
+                         "stock_long_prefill_token_threshold": stock_threshold, "budget": budget},
             "rows": rows}
 
 
@@ -171,13 +194,19 @@ def table(result: dict) -> str:
     lengths = result["metadata"]["lengths"]
     n = result["metadata"]["tasks_per_length"]
     head = ["engine", *[f"needle {x}" for x in lengths], "peak KV bytes vs stock (during a step)",
-            "(after its eviction)", "most requests at once", "preemptions", "time vs stock"]
+            "(after its eviction)", "requests at once: most (mean)", "while requests wait (vs stock)",
+            "requests per pool", "preemptions",
+            "tokens/s (vs stock)", "output tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [r["stack"], *[f"{r['accuracy'][x]}/{n}" for x in lengths],
+        cells = [r["stack"], *[f"{r['accuracy'][str(x)]}/{n}" for x in lengths],
                  f"{r['peak_bytes_during_step_vs_stock']:.3f} ({r['peak_blocks_during_step']} blocks)",
-                 f"{r['peak_bytes_in_use_vs_stock']:.3f} ({r['peak_blocks_in_use']})", str(r["peak_running"]),
-                 str(r["preemptions"]), f"{r['time_vs_stock']:.2f}x"]
+                 f"{r['peak_bytes_in_use_vs_stock']:.3f} ({r['peak_blocks_in_use']})",
+                 f"{r['peak_running']} ({r['mean_running']:.1f})",
+                 f"{r['mean_running_while_queued']:.1f} ({r['mean_running_while_queued_vs_stock']:.2f}x)",
+                 f"{r['requests_per_pool_vs_stock']:.2f}x",
+                 str(r["preemptions"]), f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_vs_stock']:.2f}x)",
+                 f"{r['output_tokens_per_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -189,6 +218,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="GGUF file/dir or HF dir (default: the shared SmolLM2)")
     parser.add_argument("--stacks", default="paged-eviction", help="comma-separated presets or YAML files")
     parser.add_argument("--budget", type=int, default=512, help="tokens: n budget given to every stack")
+    parser.add_argument("--ratio", type=float, default=None, help="ratio: r budget instead of --budget")
     parser.add_argument("--lengths", default="1024,2048")
     parser.add_argument("--tasks", type=int, default=4, help="needle tasks per length")
     parser.add_argument("--max-tokens", type=int, default=12)
@@ -198,6 +228,13 @@ def main(argv=None) -> None:
                         help="KV pool size in blocks of the model dtype (an fp8 cache gets twice as many)")
     parser.add_argument("--fp8", action="store_true", help="also run every engine with vLLM's fp8 KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="vLLM's cap on one request's prefill chunk per step (0: none), so that several prompts "
+                             "prefill at once and the KV pool, not the step's token budget, limits concurrency")
+    parser.add_argument("--stock-long-prefill-token-threshold", type=int, default=None,
+                        help="the same for stock vLLM (default: as the stacks); 0 (no cap: a prompt takes the "
+                             "step's whole token budget) avoids the preemptions a cap causes when the pool holds few "
+                             "whole prompts")
     parser.add_argument("--out", default="docs/results/vllm", help="folder for vllm_serving.json")
     args = parser.parse_args(argv)
     if args.run_json:  # one engine in this fresh process

@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 
-def token_scores(keys, values, scorer):
+def token_scores(keys, values, scorer, positions):
+    if scorer == "window":  # recency: the token's position
+        return positions.float()
     if scorer == "value_key_ratio":
         s = values.norm(dim=-1) / keys.norm(dim=-1).clamp_min(1e-6)
     elif scorer == "key_norm":
@@ -50,7 +52,7 @@ def generate(path, prompt, *, max_tokens, block_size, budget, scorer="value_key_
                 logprobs.append(float(lp[tokens[-1]]))
             keys = torch.stack([layer.keys[0] for layer in cache.layers]).float()
             values = torch.stack([layer.values[0] for layer in cache.layers]).float()
-            per_token = token_scores(keys, values, scorer)
+            per_token = token_scores(keys, values, scorer, logical)
             block_of = logical // block_size
             held = sorted(set(block_of.tolist()))
             for b in held:

@@ -47,8 +47,9 @@ def tiny_llama(tmp_path_factory):
 
 
 def _engine(model, stack, prompts, max_tokens, **kwargs):
+    kwargs = {"max_model_len": 1024, **kwargs}
     return run_in_subprocess(model=model, stack=stack, prompts=prompts, max_tokens=max_tokens, dtype="float32",
-                             block_size=BLOCK, max_model_len=1024, logprobs=True, tokenizer=False, **kwargs)
+                             block_size=BLOCK, logprobs=True, tokenizer=False, **kwargs)
 
 
 def _stack(budget, **evict):
@@ -104,6 +105,39 @@ def test_chunked_prefill_ratio_budget_and_protected_blocks(tiny_llama):
     assert out["token_ids"] == ref_tokens
     assert out["logprobs"] == pytest.approx(ref_logprobs, abs=2e-3)
     assert run["stats"]["blocks_freed"] > 0
+    assert run["stats"]["steps_over_budget"] == 0
+
+
+def test_requests_at_once_grow_with_the_compression_at_a_fixed_pool(tiny_llama):
+    """Six 300-token prompts, prefilled side by side in 64-token chunks, on a pool of 24 blocks (about two
+    uncompressed requests): the requests running at once (mean over steps) grow as the budget shrinks, with fewer
+    preemptions and steps, and each budget holds."""
+    prompts = [[(13 * i + 5 * r) % 500 + 1 for i in range(300)] for r in range(6)]
+    settings = dict(num_blocks=24, max_model_len=512, max_num_batched_tokens=512, long_prefill_token_threshold=64)
+    runs = {ratio: _engine(tiny_llama, ratio and _stack({"ratio": ratio}, scorer="value_key_ratio"), prompts, 16,
+                           **settings)["stats"] for ratio in (None, 0.5, 0.25)}
+    stock, half, quarter = runs[None], runs[0.5], runs[0.25]
+    assert stock["peak_request_blocks_during_step"] == -(-(300 + 16) // BLOCK)  # a whole request: 10 blocks
+    # vLLM admits every prompt's first chunk while blocks are free and preempts when the pool runs out, so the
+    # most requests at once is 6 for each; the mean over steps is what the pool sustains
+    mean = {ratio: run["running_steps"] / run["steps"] for ratio, run in runs.items()}
+    assert mean[None] < mean[0.5] < mean[0.25]
+    assert stock["preemptions"] > half["preemptions"] > quarter["preemptions"]
+    assert stock["steps"] > half["steps"] > quarter["steps"]
+    assert quarter["peak_request_blocks_during_step"] <= 316 // 4 // BLOCK + 64 // BLOCK  # budget + one chunk
+    assert half["steps_over_budget"] == quarter["steps_over_budget"] == 0
+
+
+def test_window_scores_are_positions(tiny_llama):
+    """``scorer: window`` with sinks (StreamingLLM on blocks): scores are the tokens' positions, read by no layer;
+    the engine keeps the sink block and the newest ones, as the reference does."""
+    stack = _stack({"tokens": 128}, scorer="window", n_sink=4)
+    run = _engine(tiny_llama, stack, [PROMPTS[0]], 24)
+    ref_tokens, ref_logprobs = generate(tiny_llama, PROMPTS[0], max_tokens=24, block_size=BLOCK,
+                                        budget={"tokens": 128}, scorer="window", n_sink=4)
+    other, _ = generate(tiny_llama, PROMPTS[0], max_tokens=24, block_size=BLOCK, budget={"tokens": 128})
+    assert run["outputs"][0]["token_ids"] == ref_tokens != other  # a different selection than value_key_ratio's
+    assert run["outputs"][0]["logprobs"] == pytest.approx(ref_logprobs, abs=2e-3)
     assert run["stats"]["steps_over_budget"] == 0
 
 

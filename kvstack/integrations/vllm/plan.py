@@ -28,9 +28,14 @@ from kvstack.stages.scorers import Scorer, get_scorer
 #: the key of ``VllmConfig.additional_config`` under which the stack travels to the scheduler and the workers
 CONFIG_KEY = "kvstack"
 
+_QUANTIZED = (
+    "quantized tiers need a packed paged layout and an attention kernel that dequantizes it; no kvstack level "
+    "matches a vLLM KV cache dtype (integer codes with group scales against fp8 with one scale), but vLLM's own "
+    "fp8 cache composes with block eviction: engine_args(..., kv_cache_dtype='fp8_e4m3')"
+)
 _NOT_YET = {
-    "quantize": "quantized tiers need a packed paged layout and an attention kernel that dequantizes it",
-    "quantized_prune": "quantized tiers need a packed paged layout and an attention kernel that dequantizes it",
+    "quantize": _QUANTIZED,
+    "quantized_prune": _QUANTIZED,
     "lowrank": "a low-rank state needs an attention kernel that merges it with the paged blocks",
     "lowrank_learned": "a low-rank state needs an attention kernel that merges it with the paged blocks",
     "gqa": "head conversion changes the model's weights, which vLLM loads itself",
@@ -154,13 +159,26 @@ class BlockEvictionPlan:
         return [j for _, _, j in candidates[:excess]]
 
     # ------------------------------------------------------------------ scoring
+    @property
+    def position_only(self) -> bool:
+        """The scorer's score is a function of positions alone (``window``): no layer needs reading."""
+        return self._scorer.position_only
+
+    def position_scores(self, start: int, count: int) -> torch.Tensor:
+        """Scores [count] of a position-only scorer for the tokens at ``start ...`` (their keys and values unread)."""
+        empty = torch.zeros(1, 1, count, 0)
+        return self._score(empty, empty, torch.arange(start, start + count))
+
     def token_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The scorer's score [T] of T tokens of one layer (keys, values [T, Hkv, D]), averaged over KV heads.
         Only scorers that read a token's own key and value run in vLLM, so a token is scored once, when written."""
-        tier = FullTier()
         k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, T, D]
+        return self._score(k, v, torch.arange(k.shape[2], device=k.device))  # positions unread by these scorers
+
+    def _score(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        tier = FullTier()
         tier.initialize(k, v)
-        tier.append(k, v, torch.arange(k.shape[2], dtype=tier.positions.dtype, device=k.device)[None, None])
+        tier.append(k, v, positions.to(tier.positions.dtype)[None, None])
         return self._scorer.scores(None, 0, tier, None).float().mean(1)[0]
 
     @functools.cached_property

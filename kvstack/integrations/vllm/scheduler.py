@@ -35,6 +35,12 @@ class BlockStats:
     peak_blocks_during_step: int = 0  # before a step's eviction: the step's new blocks are allocated by then
     peak_blocks_in_use: int = 0  # after it
     peak_running: int = 0  # most requests running at once
+    running_steps: int = 0  # requests running, summed over steps (/ steps: the mean number at once)
+    steps: int = 0
+    # the same over the steps at which requests were waiting: what the pool holds at once when it is the limit
+    running_while_queued: int = 0
+    queued_steps: int = 0
+    peak_request_blocks_during_step: int = 0  # most blocks one request held during a step (its new blocks included)
     preemptions: int = 0
     # eviction only
     blocks_freed: int = 0
@@ -52,6 +58,13 @@ class CountingScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         stats = self.kvstack_stats
         stats.peak_blocks_during_step = max(stats.peak_blocks_during_step, self.blocks_in_use())
+        stats.peak_request_blocks_during_step = max(
+            [stats.peak_request_blocks_during_step, *map(self.request_blocks, scheduler_output.num_scheduled_tokens)])
+        stats.steps += 1
+        stats.running_steps += len(self.running)
+        if self.waiting:
+            stats.queued_steps += 1
+            stats.running_while_queued += len(self.running)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self.after_step(scheduler_output)
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.blocks_in_use())
@@ -64,6 +77,10 @@ class CountingScheduler(Scheduler):
     def _preempt_request(self, *args, **kwargs):
         self.kvstack_stats.preemptions += 1
         return super()._preempt_request(*args, **kwargs)
+
+    def request_blocks(self, rid: str) -> int:
+        """Blocks of the pool request ``rid`` holds now (its first KV cache group)."""
+        return len(self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(rid, ()))
 
     def blocks_in_use(self) -> int:
         pool = self.kv_cache_manager.block_pool
@@ -100,6 +117,10 @@ class KVStackScheduler(CountingScheduler):
             if state is not None:
                 state.scores.update(blocks)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def request_blocks(self, rid: str) -> int:
+        state = self._state(rid)  # reset when the request was preempted (it lost every block)
+        return super().request_blocks(rid) - (len(state.evicted) if state else 0)  # freed ones are null blocks
 
     def after_step(self, scheduler_output) -> None:
         for rid in scheduler_output.num_scheduled_tokens:

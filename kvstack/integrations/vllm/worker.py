@@ -91,6 +91,8 @@ class _RunnerHooks:
         layers = [m for m in self.runner.get_model().modules() if isinstance(m, Attention)]
         if not layers:
             raise ValueError("kvstack in vLLM: the model has no vllm Attention layers to score")
+        if self.plan.position_only:  # scores from positions alone: nothing to read in the layers
+            return
         for layer in layers:
             layer.register_forward_pre_hook(self._score_layer)
 
@@ -120,9 +122,9 @@ class _RunnerHooks:
         """Scores of the blocks that became full in this step, per request: {logical index: score}."""
         for rid in scheduler_output.finished_req_ids:
             self.book.drop(rid)
-        if self._token_sum is None:
+        if self._token_sum is None and not self.plan.position_only:
             return {}
-        per_token = self._mean_over_ranks().cpu()
+        per_token = None if self.plan.position_only else self._mean_over_ranks().cpu()
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -131,7 +133,10 @@ class _RunnerHooks:
         for rid in self.runner.input_batch.req_ids:
             n = scheduler_output.num_scheduled_tokens.get(rid, 0)
             if n and rid in starts:
-                filled = self.book.add(rid, starts[rid], per_token[offset : offset + n])
+                start = starts[rid]
+                scores = (self.plan.position_scores(start, n) if per_token is None
+                          else per_token[offset : offset + n])
+                filled = self.book.add(rid, start, scores)
                 if filled:
                     out[rid] = filled
             offset += n
