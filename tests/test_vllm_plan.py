@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvstack import SpecError
 from kvstack.integrations.vllm import (
-    SCHEDULER, WORKER, BlockEvictionPlan, check_engine, compact_block_table, engine_args, engine_stats,
+    SCHEDULER, WORKER, BlockEvictionPlan, EnginePlan, check_engine, compact_block_table, engine_args, engine_stats,
 )
 from kvstack.integrations.vllm.plan import CONFIG_KEY, BlockScores
 
@@ -31,9 +31,8 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
 @pytest.mark.parametrize(
     "source, message",
     [
-        ("kivi-4", "stages.0.kind='quantize' is not allowed in vLLM yet (quantized tiers"),
-        ("quantized-pruning-3", "vLLM's own fp8 cache composes with block eviction: engine_args(..., "
-                                "kv_cache_dtype='fp8_e4m3')"),
+        ("quantized-pruning-3", "stages.0.kind='quantized_prune' is not allowed in vLLM yet (quantized pruning keeps "
+                                "tokens at several precisions"),
         ("max-compression", "is not allowed in vLLM yet"),
         (stack(stages=[]), "has no stages"),
         (stack(granularity="token"), "stages.0.granularity='token' is not allowed in vLLM: 'block'"),
@@ -47,7 +46,71 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
 )
 def test_specs_vllm_cannot_run_are_refused_with_the_field(source, message):
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        BlockEvictionPlan.from_spec(source)
+        EnginePlan.from_spec(source)
+
+
+KIVI = {"name": "k", "stages": [{"kind": "quantize", "bits": 4, "group_size": 32, "residual": 32}]}
+
+
+def test_a_quantize_stage_alone_runs_as_quantized_pages():
+    plan = EnginePlan.from_spec("kivi-3")
+    assert (plan.eviction, plan.quantize.bits, plan.block_size) == (None, 3, 32)
+    assert EnginePlan.from_spec("kivi-3", block_size=64).block_size == 64
+    evict = EnginePlan.from_spec(stack())
+    assert evict.quantize is None and evict.eviction.budget.tokens == 128
+
+
+@pytest.mark.parametrize(
+    "source, kwargs, message",
+    [
+        ({**KIVI, "budget": {"ratio": 0.25}}, {}, "budget={'ratio': 0.25} is not allowed in vLLM with a quantize "
+                                                  "stage alone: none"),
+        (KIVI, {"budget": {"tokens": 512}}, "budget={'tokens': 512} is not allowed in vLLM with a quantize stage"),
+        (KIVI, {"block_size": 48}, "block_size=48 is not allowed with stages.0.group_size=32: a multiple of "
+                                   "group_size"),
+        ({**KIVI, "stages": [{"kind": "quantize", "bits": 16}]}, {}, "stages.0.bits=16 is not allowed in vLLM: 2, 3, "
+                                                                      "4 or 8"),
+        ({**KIVI, "prefill_chunk": 128}, {}, "prefill_chunk=128 is not allowed in vLLM: None"),
+        (stack(stages=[KIVI["stages"][0], stack()["stages"][0]]), {},
+         "stages.0.kind='quantize' is not allowed in vLLM yet (a quantize stage runs alone or after one evict stage"),
+        (stack(stages=[stack()["stages"][0], {**KIVI["stages"][0], "group_size": 64, "residual": 64}]), {},
+         "block_size=32 is not allowed with stages.1.group_size=64"),
+    ],
+)
+def test_quantized_pages_refuse_what_they_cannot_run(source, kwargs, message):
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        EnginePlan.from_spec(source, **kwargs)
+
+
+def test_eviction_over_quantized_pages_budgets_bytes():
+    """``ratio: 0.25`` over KIVI-4 pages (76 of 256 bytes per token and KV head, bf16): the residual's
+    full-precision tokens are paid first, then blocks at 76/256 of an uncompressed one; only blocks wholly in the
+    pages may leave."""
+    from kvstack.integrations.vllm.paged_quant import PagedQuantLayout
+    from transformers import LlamaConfig
+
+    kivi = {**KIVI["stages"][0], "value_group_size": "head_dim"}
+    composed = stack(budget={"ratio": 0.25}, stages=[stack()["stages"][0], kivi])
+    plan = EnginePlan.from_spec(composed)
+    assert [s.kind for s in plan.spec.stages] == ["evict", "quantize"] and plan.quantize.bits == 4
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         num_hidden_layers=2, vocab_size=64)
+    layout = PagedQuantLayout.from_config(plan.quantize, config, torch.bfloat16, 3, 32)
+    eviction = plan.eviction.with_pages(layout)
+    for seen in (100, 1000, 4096, 10_000):
+        residual = seen - layout.quantized_count(seen)
+        blocks = eviction.allowed_blocks(seen)
+        assert blocks == max(int((0.25 * seen - residual) * 256 / (32 * 76) + 1e-9), 1)
+        if blocks > 1:  # the bytes held stay within the budget
+            assert blocks * 32 * 76 + residual * 256 <= 0.25 * seen * 256
+    assert layout.cell_bytes == 76
+    # 4096 tokens: 32 in the residual, (1024 - 32) tokens' bytes left for pages: 104 blocks, against 32 unquantized
+    assert eviction.allowed_blocks(4096) == 104 > plan.eviction.allowed_blocks(4096) == 32
+    seen = 32 * 10 + 5  # 10 full blocks; tokens 0..287 in the pages (the residual holds 288..324: block 9 and 10)
+    scores = {j: float(-j) for j in range(10)}  # newer blocks rank lower: without pages block 9 would go first
+    victims = eviction.victims(scores, list(range(11)), seen)
+    assert layout.quantized_count(seen) == 288 and victims == [8, 7, 6, 5, 4, 3, 2]
+    assert plan.eviction.victims(scores, list(range(11)), seen)[0] == 9
 
 
 def test_window_scores_positions_and_reads_no_layer():
@@ -186,7 +249,11 @@ def test_engine_args_name_kvstacks_scheduler_and_worker():
     with pytest.raises(ValueError, match="enable_prefix_caching=True is not allowed with kvstack in vLLM"):
         engine_args("paged-eviction", block_size=32, enable_prefix_caching=True)
     with pytest.raises(SpecError, match="not allowed in vLLM yet"):
-        engine_args("kivi-4")
+        engine_args("quantized-pruning")
+    kivi = engine_args("kivi-4")  # a quantize stage alone: quantized pages, 32-token blocks unless told
+    assert kivi["block_size"] == 32 and kivi["worker_cls"] == WORKER
+    with pytest.raises(SpecError, match="kv_cache_dtype='fp8_e4m3' is not allowed with a quantize stage: 'auto'"):
+        engine_args("kivi-4", kv_cache_dtype="fp8_e4m3")
     budgeted = BlockEvictionPlan.from_spec(
         engine_args("paged-eviction", block_size=64, budget={"ratio": 0.25})["additional_config"][CONFIG_KEY])
     assert (budgeted.budget.ratio, budgeted.stage.budget, budgeted.block_size) == (0.25, None, 64)

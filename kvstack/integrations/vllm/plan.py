@@ -1,7 +1,8 @@
-"""What of a kvstack spec runs inside vLLM's paged KV cache, and Algorithm 1 on vLLM's blocks.
+"""What of a kvstack spec runs inside vLLM's paged KV cache (``EnginePlan``), and Algorithm 1 on vLLM's blocks.
 
 Pure Python and torch (no vLLM import), so the policy is tested in kvstack's own environment. The vLLM side
-(``scheduler.py``, ``worker.py``) only moves block ids and scores around it.
+(``scheduler.py``, ``worker.py``, ``quantized.py``) only moves block ids and scores around it; the quantized pages'
+layout is ``paged_quant.py``.
 
 vLLM differs from a transformers cache in one way that shapes everything here: a request's block table is shared by
 every layer and every KV head, so a block is one unit of memory across the whole model. Selection is therefore one
@@ -11,6 +12,7 @@ the spec's ``aggregate`` of its tokens' scores, and an evicted block is freed fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -23,24 +25,84 @@ from kvstack.stack.base import Budget, StageSpec
 from kvstack.stack.errors import SpecError
 from kvstack.stack.spec import StackSpec
 from kvstack.stack.tiers import FullTier
+from kvstack.stages.quantize import QuantizeSpec
 from kvstack.stages.scorers import Scorer, get_scorer
+
+from .paged_quant import PagedQuantLayout
 
 #: the key of ``VllmConfig.additional_config`` under which the stack travels to the scheduler and the workers
 CONFIG_KEY = "kvstack"
 
-_QUANTIZED = (
-    "quantized tiers need a packed paged layout and an attention kernel that dequantizes it; no kvstack level "
-    "matches a vLLM KV cache dtype (integer codes with group scales against fp8 with one scale), but vLLM's own "
-    "fp8 cache composes with block eviction: engine_args(..., kv_cache_dtype='fp8_e4m3')"
-)
+#: the engine block size of a stack with a ``quantize`` stage and no block size of its own
+QUANTIZED_BLOCK_SIZE = 32
+
 _NOT_YET = {
-    "quantize": _QUANTIZED,
-    "quantized_prune": _QUANTIZED,
+    "quantize": "a quantize stage runs alone or after one evict stage in vLLM",
+    "quantized_prune": "quantized pruning keeps tokens at several precisions, and vLLM's pages all have one size",
     "lowrank": "a low-rank state needs an attention kernel that merges it with the paged blocks",
     "lowrank_learned": "a low-rank state needs an attention kernel that merges it with the paged blocks",
     "gqa": "head conversion changes the model's weights, which vLLM loads itself",
     "channel_prune": "pruned channels need a paged layout with fewer channels than the model's head_dim",
 }
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What of a stack runs in vLLM, and where: block eviction (``eviction``: the scheduler frees blocks, the worker
+    scores them), kvstack's quantized tier in the pages (``quantize``: the worker's attention backend), or both
+    (``[evict, quantize]``: the scheduler's budget then counts the pages' bytes, ``BlockEvictionPlan.with_pages``)."""
+
+    spec: StackSpec
+    block_size: int  # the engine's block size
+    eviction: "BlockEvictionPlan | None" = None
+    quantize: "QuantizeSpec | None" = None
+
+    @classmethod
+    def from_spec(
+        cls, source: "StackSpec | dict | str | Path", block_size: int | None = None, budget: "Budget | dict | None" = None
+    ) -> "EnginePlan":
+        spec = StackSpec.load(source)
+        kinds = [s.kind for s in spec.stages]
+        if kinds == ["quantize"]:
+            return cls._quantized_only(spec, block_size, budget)
+        if kinds == ["evict", "quantize"]:  # blocks leave, and those held are quantized pages: budgets in bytes
+            quantize = spec.stages[1]
+            data = spec.model_dump()
+            data["stages"] = data["stages"][:1]
+            eviction = BlockEvictionPlan.from_spec(data, block_size=block_size, budget=budget)
+            _check_quantize(quantize, eviction.block_size, where="stages.1")
+            full = eviction.spec.model_dump()
+            full["stages"].append(quantize.model_dump())
+            return cls(StackSpec.load(full), eviction.block_size, eviction=eviction, quantize=quantize)
+        eviction = BlockEvictionPlan.from_spec(spec, block_size=block_size, budget=budget)
+        return cls(eviction.spec, eviction.block_size, eviction=eviction)
+
+    @classmethod
+    def _quantized_only(cls, spec: StackSpec, block_size, budget) -> "EnginePlan":
+        stage = spec.stages[0]
+        if budget is not None or spec.budget is not None:
+            value = budget if budget is not None else spec.budget.model_dump(exclude_none=True)
+            raise SpecError(f"budget={value!r} is not allowed in vLLM with a quantize stage alone: none (its pages "
+                            "hold a fixed fraction of the bytes, and a budget needs an evict stage before it)")
+        _check_prefill_chunk(spec)
+        size = QUANTIZED_BLOCK_SIZE if block_size is None else block_size
+        _check_quantize(stage, size, where="stages.0")
+        return cls(spec, size, quantize=stage)
+
+
+def _check_prefill_chunk(spec: StackSpec) -> None:
+    if spec.prefill_chunk is not None:
+        raise SpecError(f"prefill_chunk={spec.prefill_chunk!r} is not allowed in vLLM: None (vLLM splits prefills "
+                        "itself: set max_num_batched_tokens on the engine)")
+
+
+def _check_quantize(stage: "QuantizeSpec", block_size: int, where: str) -> None:
+    if stage.bits == 16:
+        raise SpecError(f"{where}.bits=16 is not allowed in vLLM: 2, 3, 4 or 8 (16 quantizes nothing: leave the "
+                        "stage out)")
+    if block_size % stage.group_size:
+        raise SpecError(f"block_size={block_size} is not allowed with {where}.group_size={stage.group_size}: a "
+                        "multiple of group_size (a vLLM block holds whole key groups)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +124,8 @@ class BlockEvictionPlan:
     stage: StageSpec
     budget: Budget
     block_size: int
+    #: the quantized pages of a quantize stage after the evict stage (``with_pages``): budgets count their bytes
+    pages: "PagedQuantLayout | None" = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -78,14 +142,14 @@ class BlockEvictionPlan:
             if stage.kind in _NOT_YET:
                 raise SpecError(
                     f"stages.{i}.kind={stage.kind!r} is not allowed in vLLM yet ({_NOT_YET[stage.kind]}); "
-                    "the vLLM integration runs one `evict` stage with granularity: block"
+                    "the vLLM integration runs one `evict` stage with granularity: block, one `quantize` stage, or "
+                    "the two in that order"
                 )
         if len(spec.stages) != 1 or spec.stages[0].kind != "evict":
             kinds = [s.kind for s in spec.stages]
-            raise SpecError(f"stages={kinds} is not allowed in vLLM: exactly one `evict` stage")
-        if spec.prefill_chunk is not None:
-            raise SpecError(f"prefill_chunk={spec.prefill_chunk!r} is not allowed in vLLM: None (vLLM splits prefills "
-                            "itself: set max_num_batched_tokens on the engine)")
+            raise SpecError(f"stages={kinds} is not allowed in vLLM: ['evict'], ['quantize'] or ['evict', "
+                            "'quantize']")
+        _check_prefill_chunk(spec)
         if block_size is not None or budget is not None:
             data = spec.model_dump()
             if block_size is not None:
@@ -124,20 +188,32 @@ class BlockEvictionPlan:
                     "prefill chunks itself and a block table is shared by all layers)"
                 )
 
+    def with_pages(self, pages: "PagedQuantLayout") -> "BlockEvictionPlan":
+        """This plan over quantized pages (``pages``: the model's page layout, known once the engine has a model)."""
+        if pages.block_size != self.block_size:
+            raise ValueError(f"the page layout has {pages.block_size}-token blocks, the plan {self.block_size}")
+        return dataclasses.replace(self, pages=pages)
+
     # ------------------------------------------------------------------ the policy
     def allowed_blocks(self, seen: int) -> int:
-        """Real blocks a request may hold after a step, ``seen`` tokens computed (at least the newest block)."""
-        if self.budget.tokens is not None:
-            cap = self.budget.tokens // self.block_size
-        else:
-            cap = math.floor(self.budget.ratio * seen / self.block_size + 1e-9)
-        return max(cap, 1)
+        """Real blocks a request may hold after a step, ``seen`` tokens computed (at least the newest block).
+
+        The budget is bytes: ``tokens: n`` -> n uncompressed tokens' bytes, ``ratio: r`` -> r x the ``seen``
+        tokens' bytes. Over quantized pages the residual's full-precision tokens (outside the pool) are paid
+        first, and a block costs ``cell_bytes / full_cell_bytes`` of an uncompressed one."""
+        room = self.budget.tokens if self.budget.tokens is not None else self.budget.ratio * seen  # in tokens
+        if self.pages is None:
+            return max(math.floor(room / self.block_size + 1e-9), 1)
+        pages = self.pages
+        room = (room - (seen - pages.quantized_count(seen))) * pages.full_cell_bytes
+        return max(math.floor(room / (self.block_size * pages.cell_bytes) + 1e-9), 1)
 
     def victims(self, scores: dict[int, float], held: Sequence[int], seen: int) -> list[int]:
         """Logical indices of the blocks to free, lowest priority first.
 
         ``held``: the logical indices of the request's real (not yet evicted) blocks among the first
-        ``ceil(seen / block_size)``; ``scores``: the score of every full block (higher = keep).
+        ``ceil(seen / block_size)``; ``scores``: the score of every full block (higher = keep). Over quantized pages
+        only blocks wholly in the pages may leave (the residual's full-precision tokens stay with their request).
         """
         excess = len(held) - self.allowed_blocks(seen)
         if excess <= 0:
@@ -146,9 +222,10 @@ class BlockEvictionPlan:
         newest = (seen - 1) // bs
         first_unprotected = math.ceil(self.stage.n_sink / bs)
         first_recent = (seen - self.stage.recent) // bs if self.stage.recent else newest + 1
+        in_pages = newest if self.pages is None else min(newest, self.pages.quantized_count(seen) // bs)
         candidates = []
         for j in held:
-            if j == newest:
+            if j >= in_pages:
                 continue
             if j not in scores:
                 raise RuntimeError(f"kvstack: block {j} of a request has no score (seen={seen}): a full block was "

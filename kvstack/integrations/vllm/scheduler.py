@@ -18,7 +18,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from . import check_engine
-from .plan import CONFIG_KEY, BlockEvictionPlan
+from .paged_quant import PagedQuantLayout
+from .plan import CONFIG_KEY, EnginePlan
 
 
 @dataclass
@@ -46,6 +47,9 @@ class BlockStats:
     blocks_freed: int = 0
     steps_over_budget: int = 0  # steps after which a request held more blocks than its budget allows (0: kept)
     max_held_blocks: int = 0  # most real blocks one request held after a step
+    # quantized pages (a quantize stage): the full-precision residual the worker held outside the pool (most at
+    # once after a step: every request and layer of one rank)
+    peak_residual_bytes: int = 0
 
 
 class CountingScheduler(Scheduler):
@@ -61,6 +65,8 @@ class CountingScheduler(Scheduler):
         stats.peak_request_blocks_during_step = max(
             [stats.peak_request_blocks_during_step, *map(self.request_blocks, scheduler_output.num_scheduled_tokens)])
         stats.steps += 1
+        stats.peak_residual_bytes = max(stats.peak_residual_bytes,
+                                        getattr(model_runner_output, "kvstack_residual_bytes", 0))
         stats.running_steps += len(self.running)
         if self.waiting:
             stats.queued_steps += 1
@@ -91,9 +97,15 @@ class KVStackScheduler(CountingScheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         check_engine(vllm_config)
-        self.kvstack_plan = BlockEvictionPlan.from_spec(
-            vllm_config.additional_config[CONFIG_KEY], block_size=vllm_config.cache_config.block_size
-        )
+        plan = EnginePlan.from_spec(vllm_config.additional_config[CONFIG_KEY],
+                                    block_size=vllm_config.cache_config.block_size)
+        # None with a quantize stage alone: nothing is evicted (the workers' pages are smaller instead)
+        self.kvstack_plan = plan.eviction
+        if plan.eviction is not None and plan.quantize is not None:  # budgets count the quantized pages' bytes
+            model = vllm_config.model_config
+            heads = model.get_num_kv_heads(vllm_config.parallel_config)
+            self.kvstack_plan = plan.eviction.with_pages(
+                PagedQuantLayout.from_config(plan.quantize, model.hf_config, model.dtype, heads, plan.block_size))
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1:
             raise ValueError(f"kvstack in vLLM: the model has {len(managers)} KV cache groups; one (every layer "
@@ -119,10 +131,14 @@ class KVStackScheduler(CountingScheduler):
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def request_blocks(self, rid: str) -> int:
+        if self.kvstack_plan is None:
+            return super().request_blocks(rid)
         state = self._state(rid)  # reset when the request was preempted (it lost every block)
         return super().request_blocks(rid) - (len(state.evicted) if state else 0)  # freed ones are null blocks
 
     def after_step(self, scheduler_output) -> None:
+        if self.kvstack_plan is None:
+            return
         for rid in scheduler_output.num_scheduled_tokens:
             self._evict(rid)
         for rid in [r for r in self._states if r not in self.requests]:  # finished or aborted

@@ -19,7 +19,7 @@ import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import check_engine
-from .plan import CONFIG_KEY, BlockEvictionPlan, BlockScores, compact_block_table
+from .plan import CONFIG_KEY, BlockEvictionPlan, BlockScores, EnginePlan, compact_block_table
 
 
 class _RunnerHooks:
@@ -55,9 +55,13 @@ class _RunnerHooks:
 
     # ------------------------------------------------------------------ attention reads only the blocks held
     def wrap_builders(self) -> None:
+        from .quantized import QuantizedAttentionMetadataBuilder
+
         for groups in self.runner.attn_groups:
             for group in groups:
                 for builder in group.metadata_builders:
+                    if isinstance(builder, QuantizedAttentionMetadataBuilder):
+                        continue  # quantized pages read the logical table and skip the freed blocks themselves
                     builder.build = self._compacting(builder.build)
 
     def _compacting(self, build):
@@ -143,20 +147,47 @@ class _RunnerHooks:
         return out
 
 class KVStackWorker(CPUWorker):
-    """vLLM's CPU worker, with the kvstack hooks on its model runner."""
+    """vLLM's CPU worker, with the kvstack hooks on its model runner (block eviction) or kvstack's quantized
+    attention on its layers (a quantize stage)."""
 
     def init_device(self):
         super().init_device()
         check_engine(self.vllm_config)
-        plan = BlockEvictionPlan.from_spec(
+        self.kvstack_plan = EnginePlan.from_spec(
             self.vllm_config.additional_config[CONFIG_KEY], block_size=self.vllm_config.cache_config.block_size
         )
-        self.kvstack_hooks = _RunnerHooks(self.model_runner, plan)
+        eviction = self.kvstack_plan.eviction
+        self.kvstack_hooks = None if eviction is None else _RunnerHooks(self.model_runner, eviction)
+        self.kvstack_residual = None
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        if self.kvstack_plan.quantize is not None:  # before vLLM asks the layers for their KV cache spec
+            from .quantized import install
+
+            hooks = self.kvstack_hooks
+            evicted_of = (lambda rid: frozenset()) if hooks is None else (lambda rid: set(hooks.evicted.get(rid, ())))
+            self.kvstack_residual = install(self.model_runner, self.kvstack_plan.quantize, self.kvstack_plan.block_size,
+                                            self.vllm_config, evicted_of)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"kvstack in vLLM: the model has {len(groups)} KV cache groups; one is supported")
-        self.kvstack_hooks.wrap_builders()
-        self.kvstack_hooks.hook_attention_layers()
+        if self.kvstack_hooks is not None:
+            self.kvstack_hooks.wrap_builders()
+            self.kvstack_hooks.hook_attention_layers()
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.kvstack_residual is not None:
+            self.kvstack_residual.drop(scheduler_output.finished_req_ids)
+        return self._with_residual(super().execute_model(scheduler_output, *args, **kwargs))
+
+    def sample_tokens(self, *args, **kwargs):
+        return self._with_residual(super().sample_tokens(*args, **kwargs))
+
+    def _with_residual(self, out):
+        if self.kvstack_residual is not None and out is not None and hasattr(out, "sampled_token_ids"):
+            out.kvstack_residual_bytes = self.kvstack_residual.nbytes()  # for the scheduler's BlockStats
+        return out
