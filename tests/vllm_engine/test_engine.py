@@ -154,6 +154,10 @@ def test_tensor_parallel_ranks_score_every_kv_head(tmp_path, monkeypatch):
     assert run["stats"]["steps_over_budget"] == 0
 
 
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU fp8 KV cache needs x86 with AVX-512 or AMX, which this CPU lacks (vLLM refuses to start)",
+)
 def test_eviction_composes_with_vllms_fp8_cache(tiny_llama):
     """vLLM's own fp8 KV cache under the same stack: blocks cost half, the pool holds twice as many, eviction and
     its budget work the same (the scores are taken before the cache write, from the model-dtype keys)."""
