@@ -167,7 +167,6 @@ class Residual:
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
-        self.peak_bytes = 0
 
     def get(self, request: str, layer: int, start: int, seen: int, keys: torch.Tensor, values: torch.Tensor):
         """(keys, values) [H, seen - start, D] of tokens ``start .. seen - 1`` (``keys`` / ``values`` [n, H, D]:
@@ -195,9 +194,6 @@ class Residual:
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in self._held.values())
-
-    def note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
 
 class _EngineLayer:
