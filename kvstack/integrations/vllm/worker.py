@@ -29,14 +29,16 @@ class _RunnerHooks:
         self.runner = runner
         self.plan = plan
         self.book = BlockScores(plan)
-        self.evicted: dict[str, list[int]] = {}
+        self.evicted: dict[str, frozenset[int]] = {}
         self.scores: dict[str, dict[int, float]] = {}
         self._token_sum: torch.Tensor | None = None  # this step's token scores, summed over the layers so far
         self._heads = 0  # KV heads x layers summed into _token_sum
         execute, sample = runner.execute_model, runner.sample_tokens
 
         def execute_model(scheduler_output, *args, **kwargs):
-            self.evicted = getattr(scheduler_output, "kvstack_evicted", None) or {}
+            # sets, once per step: every quantized layer asks which of a request's blocks are gone
+            self.evicted = {rid: frozenset(gone) for rid, gone in
+                            (getattr(scheduler_output, "kvstack_evicted", None) or {}).items()}
             self._token_sum, self._heads = None, 0
             out = execute(scheduler_output, *args, **kwargs)
             self.scores = self.block_scores(scheduler_output)
@@ -165,8 +167,8 @@ class KVStackWorker(CPUWorker):
         if self.kvstack_plan.quantize is not None:  # before vLLM asks the layers for their KV cache spec
             from .quantized import install
 
-            hooks = self.kvstack_hooks
-            evicted_of = (lambda rid: frozenset()) if hooks is None else (lambda rid: set(hooks.evicted.get(rid, ())))
+            hooks, none = self.kvstack_hooks, frozenset()
+            evicted_of = (lambda rid: none) if hooks is None else (lambda rid: hooks.evicted.get(rid, none))
             self.kvstack_residual = install(self.model_runner, self.kvstack_plan.quantize, self.kvstack_plan.block_size,
                                             self.vllm_config, evicted_of)
 
