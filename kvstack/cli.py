@@ -528,6 +528,37 @@ def calibrate(
         typer.echo(f"layer {layer}: attention error vs eviction alone {before:.3f} (random) -> {after:.3f} (learned)")
     typer.echo(f"wrote {out}")
 
+@app.command("vllm-config")
+def vllm_config(
+    stack: str = typer.Argument(..., help="Preset name or YAML spec (evict, quantize, or both)."),
+    block_size: Optional[int] = typer.Option(None, min=1, help="The engine's block size (CPU: a multiple of 32)."),
+    tokens: Optional[int] = typer.Option(None, min=1, help="Budget: tokens per request (replaces the stack's)."),
+    ratio: Optional[float] = typer.Option(None, help="Budget: a ratio of the uncompressed cache (replaces it)."),
+    out: Optional[Path] = typer.Option(None, help="YAML file to write (default: print it)."),
+) -> None:
+    """vLLM server options that run STACK: `vllm serve MODEL --config FILE` (docs/vllm.md)."""
+    import yaml
+
+    from kvstack import KVStackError
+    from kvstack.integrations.vllm import serve_config
+
+    if tokens is not None and ratio is not None:
+        _fail(f"--tokens {tokens} and --ratio {ratio} are both given: one budget")
+    budget = {"tokens": tokens} if tokens is not None else {"ratio": ratio} if ratio is not None else None
+    try:
+        config = serve_config(_load(stack), block_size=block_size, budget=budget)
+    except (KVStackError, ValueError) as err:
+        _fail(str(err))
+    text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    if not out.parent.is_dir():
+        _fail(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist")
+    out.write_text(text)
+    typer.echo(f"wrote {out}: vllm serve MODEL --config {out}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvstack import SpecError
 from kvstack.integrations.vllm import (
     SCHEDULER, WORKER, BlockEvictionPlan, EnginePlan, check_engine, compact_block_table, engine_args, engine_stats,
+    serve_config,
 )
 from kvstack.integrations.vllm.plan import CONFIG_KEY, BlockScores
 
@@ -259,6 +260,36 @@ def test_engine_args_name_kvstacks_scheduler_and_worker():
     assert (budgeted.budget.ratio, budgeted.stage.budget, budgeted.block_size) == (0.25, None, 64)
     with pytest.raises(SpecError, match="budget.tokens=40 is not allowed: at least one block"):
         engine_args("paged-eviction", block_size=64, budget={"tokens": 40})
+
+
+def test_the_server_options_file_is_engine_args_under_vllms_option_names(tmp_path):
+    """``kvstack vllm-config`` writes what ``vllm serve --config`` reads: ``engine_args`` with dashed names (the
+    server itself runs in tests/vllm_engine/test_serve.py); bad input is refused before anything is written."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from kvstack.cli import app
+
+    out = tmp_path / "kv.yaml"
+    result = CliRunner().invoke(app, ["vllm-config", "paged-eviction", "--block-size", "32", "--tokens", "128",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    written = yaml.safe_load(out.read_text())
+    args = engine_args("paged-eviction", block_size=32, budget={"tokens": 128})
+    assert written == serve_config("paged-eviction", block_size=32, budget={"tokens": 128})
+    assert written == {name.replace("_", "-"): value for name, value in args.items()}
+    assert (written["scheduler-cls"], written["worker-cls"]) == (SCHEDULER, WORKER)
+    assert BlockEvictionPlan.from_spec(written["additional-config"][CONFIG_KEY], block_size=32).budget.tokens == 128
+    printed = CliRunner().invoke(app, ["vllm-config", "kivi-3"])  # no --out: the YAML on stdout
+    assert printed.exit_code == 0 and yaml.safe_load(printed.output) == serve_config("kivi-3")
+    for argv, message in [
+        (["kivi-3", "--tokens", "64", "--ratio", "0.25"], "--tokens 64 and --ratio 0.25 are both given"),
+        (["snapkv", "--block-size", "32"], "stages.0.granularity='token' is not allowed in vLLM: 'block'"),
+        (["kivi-3", "--ratio", "0.25"], "not allowed in vLLM with a quantize stage alone"),
+        (["kivi-3", "--out", str(tmp_path / "missing" / "kv.yaml")], "does not exist"),
+    ]:
+        refused = CliRunner().invoke(app, ["vllm-config", *argv])
+        assert refused.exit_code == 2 and message in refused.output, (argv, refused.output)
 
 
 def test_engine_stats_needs_kvstacks_scheduler_in_this_process():

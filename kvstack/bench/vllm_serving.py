@@ -87,13 +87,16 @@ def engine_run(
         "num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
         "outputs": [],
     }
+    stats = dataclasses.asdict(scheduler.kvstack_stats)
+    # the engine's request ids are the caller's with a random suffix ("3-1a2b3c4d")
+    reports = {report["request_id"].rsplit("-", 1)[0]: report for report in stats.pop("requests")}
     for out in outputs:
         seq = out.outputs[0]
-        row = {"token_ids": list(seq.token_ids), "text": seq.text if tokenizer else None}
+        row = {"token_ids": list(seq.token_ids), "text": seq.text if tokenizer else None,
+               "kv_report": reports.get(out.request_id)}  # None for stock vLLM
         if logprobs:
             row["logprobs"] = [step[t].logprob for step, t in zip(seq.logprobs, seq.token_ids)]
         result["outputs"].append(row)
-    stats = dataclasses.asdict(scheduler.kvstack_stats)
     stats["free_blocks_at_end"] = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     result["stats"] = stats
     return result

@@ -92,6 +92,22 @@ def test_budget_holds_and_blocks_return_to_the_pool(tokens_run):
     assert stats["free_blocks_at_end"] == tokens_run["num_blocks"]  # nothing leaked
 
 
+def test_each_request_reports_its_blocks_against_the_uncompressed_ones(tokens_run):
+    """The per-request report: its tokens at the last step, its budget kept after every step, and the blocks stock
+    vLLM holds for those tokens (322, 173 and 63 tokens: 11, 6 and 2 blocks)."""
+    reports = [out["kv_report"] for out in tokens_run["outputs"]]
+    for prompt, out, report in zip(PROMPTS, tokens_run["outputs"], reports):
+        assert report["tokens"] == len(prompt) + len(out["token_ids"]) - 1  # the last token is never computed
+        assert report["uncompressed_blocks"] == -(-report["tokens"] // BLOCK)
+        assert report["allowed_blocks"] == 128 // BLOCK
+        assert report["peak_blocks"] <= report["allowed_blocks"]
+        assert report["page_ratio"] == 1.0 and report["preemptions"] == 0
+    assert [r["uncompressed_blocks"] for r in reports] == [11, 6, 2]
+    assert [r["blocks_held"] for r in reports] == [4, 4, 2]
+    assert [r["blocks_freed"] for r in reports] == [7, 2, 0]  # the held and freed blocks make up every block
+    assert sum(r["blocks_freed"] for r in reports) == tokens_run["stats"]["blocks_freed"]
+
+
 def test_chunked_prefill_ratio_budget_and_protected_blocks(tiny_llama):
     """A 400-token prompt prefilled in 96-token chunks, evicting between chunks (causal masking over a compacted
     table), with sinks, a recent window, key_norm, min-aggregation and a ratio budget."""
@@ -223,6 +239,10 @@ def test_quantized_pages_are_smaller_blocks_of_the_same_pool(tiny_llama, kivi_ru
     assert kivi_run["num_blocks"] == (1 << 30) // kivi_run["block_bytes"] - 1  # VLLM_CPU_KVCACHE_SPACE=1 GiB
     residual_cap = len(PROMPTS) * layers * (32 + 31) * layout.full_cell_bytes
     assert 0 < kivi_run["stats"]["peak_residual_bytes"] <= residual_cap
+    for prompt, out in zip(PROMPTS, kivi_run["outputs"]):  # every block held, each at 88 / 512 of the bytes
+        report = out["kv_report"]
+        assert report["blocks_held"] == report["uncompressed_blocks"] == -(-(len(prompt) + 23) // BLOCK)
+        assert report["page_ratio"] == 88 / 512 and report["allowed_blocks"] is None and report["blocks_freed"] == 0
 
 
 def test_quantized_pages_with_every_precision_option_in_prefill_chunks(tiny_llama):

@@ -6,6 +6,9 @@ both, in vLLM's paged KV cache.
 
     llm = LLM(model="path/to/model", **engine_args("paged-eviction", block_size=32))
 
+or, for vLLM's OpenAI-compatible server, ``kvstack vllm-config paged-eviction --block-size 32 --out kv.yaml`` and
+``vllm serve path/to/model --config kv.yaml`` (``serve_config``).
+
 Evicted blocks go back to vLLM's block pool (real memory, for this request's next tokens or for other requests);
 attention reads only the blocks a request still holds. A quantize stage makes every page hold bit-packed codes
 (the pool holds more blocks in the same memory) and attention dequantize them. Nothing in vLLM is patched: the
@@ -29,7 +32,7 @@ from .plan import CONFIG_KEY, BlockEvictionPlan, EnginePlan, compact_block_table
 
 __all__ = [
     "BlockEvictionPlan", "CONFIG_KEY", "EnginePlan", "check_engine", "compact_block_table", "engine_args",
-    "engine_stats",
+    "engine_stats", "serve_config",
 ]
 
 SCHEDULER = "kvstack.integrations.vllm.scheduler.KVStackScheduler"
@@ -73,6 +76,20 @@ def engine_args(
         "worker_cls": WORKER,
         "additional_config": extra,
     }
+
+
+def serve_config(
+    stack: "StackSpec | dict | str | Path",
+    *,
+    block_size: int | None = None,
+    budget: "Budget | dict | None" = None,
+    **overrides: Any,
+) -> dict:
+    """``engine_args`` as the options of vLLM's server: the mapping ``vllm serve MODEL --config FILE.yaml`` reads
+    (its long option names; ``additional-config`` a mapping, which vLLM passes on as JSON). Write it with
+    ``yaml.safe_dump`` or ``kvstack vllm-config``."""
+    args = engine_args(stack, block_size=block_size, budget=budget, **overrides)
+    return {name.replace("_", "-"): value for name, value in args.items()}
 
 
 def _check_block_size_here(block_size: int) -> None:
