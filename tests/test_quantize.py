@@ -228,6 +228,41 @@ def test_select_keeps_exact_positions_values_and_whole_groups(seed, drop):
     assert tier.num_tokens == 4 * math.ceil(int(keep.sum(-1).max()) / 4)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), drop=st.floats(0.05, 0.9), bits=st.sampled_from([2, 3, 4]))
+def test_merged_groups_hold_the_kept_keys_quantized_together(seed, drop, bits):
+    """Once holes reach a group, each (row, head) holds its whole groups' codes, then its other kept keys (in slot
+    order, the last repeated into the holes) quantized afresh as one run of groups; before that, every key keeps
+    its codes. Rows keep different numbers of whole groups, so a merge must not re-quantize what a row copies."""
+    from kvstack.kernels.quant_pack import dequantize, quantize
+
+    g = 8 if bits == 3 else 4
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(2, 2, 48, 8, generator=gen), torch.randn(2, 2, 48, 8, generator=gen)
+    tier = tier_with(keys, values, g=g, bits=bits)
+    before = tier.gather(torch.arange(48).expand(2, 1, 48))[0]
+    keep = torch.rand(2, 2, 48, generator=gen) > drop
+    groups = keep.reshape(2, 2, -1, g)
+    merged = bool(((groups.any(-1).sum(-1) * g) - keep.sum(-1)).max() >= g)
+    tier.select(*kvstack.stack.cache.compaction_index(keep))
+    for b in range(2):
+        for h in range(2):
+            pos = tier.positions[b, h]
+            slots = (pos >= 0).nonzero().flatten()
+            k = tier.gather(slots.expand(2, 1, -1))[0][b, h]
+            kept = pos[slots].long()
+            whole = groups[b, h].all(-1).repeat_interleave(g)[kept]
+            assert torch.equal(k[whole], before[b, h, kept[whole]])
+            rest = kept[~whole]
+            if not merged or not len(rest):
+                assert torch.equal(k[~whole], before[b, h, rest])
+                continue
+            run = before[b, h, rest]
+            run = torch.cat([run, run[-1:].expand((-len(rest)) % g, -1)])[None, None]
+            expected = dequantize(quantize(run, bits, g, "token"), torch.float32)[0, 0, : len(rest)]
+            assert torch.equal(k[~whole], expected)
+
+
 def test_dropping_the_oldest_token_leaves_holes_not_requantization():
     keys, values = torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8)
     tier = tier_with(keys, values)

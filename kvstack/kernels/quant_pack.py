@@ -342,22 +342,26 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor
     dim = dim % packed.dim()
     if pf == 1:
         return packed.clone()
+    return _unpack_to_int(packed, bits, dim).to(torch.uint8)
+
+
+def _unpack_to_int(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """:func:`unpack_codes` without the checks, in the integer dtype the unpacking computes in (uint8, or int32 for
+    3 bits: an index for a codebook as it is). Contiguous in the input's layout: code ``i`` of a unit sits right after
+    it along ``dim``, so the shifts broadcast on a new axis there and the two axes merge (no transposed copies)."""
+    pre, m, post = packed.shape[:dim], packed.shape[dim], packed.shape[dim + 1 :]
+    trailing = len(post)
     if bits == 3:
-        m = packed.shape[dim]
         if m % 3:
             raise ValueError(f"size {m} of packed 3-bit codes along dim {dim} is not a multiple of 3 bytes")
-        p = packed.movedim(dim, -1)
-        p = p.reshape(*p.shape[:-1], m // 3, 3).to(torch.int32)
-        word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
-        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)
-        c = ((word[..., None] >> shifts) & 7).to(torch.uint8)  # [..., m / 3, 8]
-        c = c.reshape(*p.shape[:-2], m // 3 * 8)
-        return c.movedim(-1, dim)
-    # code i of a byte sits right after it along dim: broadcast the shifts on a new axis there, merge the two axes
-    trailing = packed.dim() - dim - 1
+        p = packed.reshape(*pre, m // 3, 3, *post).to(torch.int32)
+        word = p.select(dim + 1, 0) | (p.select(dim + 1, 1) << 8) | (p.select(dim + 1, 2) << 16)
+        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device).view(8, *([1] * trailing))
+        return ((word.unsqueeze(dim + 1) >> shifts) & 7).reshape(*pre, m // 3 * 8, *post)
+    pf = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(pf, *([1] * trailing))
     c = (packed.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)  # [..., n, pf, ...]
-    return c.reshape(*packed.shape[:dim], packed.shape[dim] * pf, *packed.shape[dim + 1 :])
+    return c.reshape(*pre, m * pf, *post)
 
 
 # --------------------------------------------------------------------------- #
@@ -609,11 +613,12 @@ def dequantize_reference(q: QuantizedGroups, dtype: torch.dtype | None = None) -
     _check_axis(q.axis)
     _check_levels(q.levels, q.bits)
     out_dtype = dtype or q.dtype
-    codes = unpack_codes(q.packed, q.bits, dim=q.packed_dim)
+    codes = _unpack_to_int(q.packed, q.bits, q.packed_dim) if q.bits != 8 else q.packed
     if q.levels == "uniform":
         codes = codes.float()
-    else:
-        codes = _codebook(q.bits, q.group_size, codes.device)[0][codes.long()]
+    else:  # a flat index_select: several times faster than advanced indexing on the CPU
+        levels = _codebook(q.bits, q.group_size, codes.device)[0]
+        codes = levels.index_select(0, codes.int().reshape(-1)).view(codes.shape)
     cg, red = _grouped(codes, q.group_size, q.axis)
     s = q.scale.float().unsqueeze(red)
     z = q.zero.float().unsqueeze(red)

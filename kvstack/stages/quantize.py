@@ -369,11 +369,18 @@ class QuantizedTier(ExactTier):
         if merge and bool(n_merged.any()):
             last = src.gather(-1, (n_whole + n_merged - 1).clamp(0, max(t_new - 1, 0)))
             key_src = torch.where(in_merged | in_whole, src, last)  # holes repeat a merged key (no wider range)
-            requant = self._quantize(gather_tokens(dequantize(qk), key_src), g, "token", "keys")
-            copied = (torch.arange(t_new // g, device=keep.device) < whole.sum(-1, keepdim=True)).expand(-1, h, -1)
-            codes = torch.where(copied.repeat_interleave(per, dim=-1)[..., None], codes, requant.packed)
-            scale = torch.where(copied[..., None], scale, requant.scale)
-            zero = torch.where(copied[..., None], zero, requant.zero)
+            # groups quantize independently: only the groups past the fewest whole ones of any row are re-quantized
+            # (a decode step's merge touches a few groups, not the tier)
+            first = int(whole.sum(-1).min())
+            requant = self._quantize(gather_tokens(dequantize(qk), key_src[..., first * g :]), g, "token", "keys")
+            copied = torch.arange(first, t_new // g, device=keep.device) < whole.sum(-1, keepdim=True)
+            copied = copied.expand(-1, h, -1)
+            codes = torch.cat([codes[:, :, : first * per], torch.where(
+                copied.repeat_interleave(per, dim=-1)[..., None], codes[:, :, first * per :], requant.packed)], dim=2)
+            scale = torch.cat([scale[:, :, :first], torch.where(copied[..., None], scale[:, :, first:], requant.scale)],
+                              dim=2)
+            zero = torch.cat([zero[:, :, :first], torch.where(copied[..., None], zero[:, :, first:], requant.zero)],
+                             dim=2)
         self.key_codes, self.key_scale, self.key_zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
 
         self.value_codes = gather_tokens(self.value_codes, src)
