@@ -248,11 +248,15 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
         partial = None
         scaled = rows * geo.scaling  # once per query block instead of once per logit
         views = {plan.index: plan.tier.attention_query(scaled) for plan in plans}
+        per_tier: dict[int, SoftmaxPartial] = {}
         for plan, j in _blocks_to_read(plans, lo_q, hi_q, geo.window):
             logits, values = _block_logits(plan, views[plan.index], j, geo, row_pos, lo_q, hi_q)
-            partial = merge(partial, logits_partial(logits, values))
+            per_tier[plan.index] = merge(per_tier.get(plan.index), logits_partial(logits, values))
             if kept is not None:
-                kept.append((plan, j * plan.block, logits, values))
+                kept.append((plan, j * plan.block, logits, plan.tier.attention_output(values)))
+        for index, part in per_tier.items():  # each tier's weighted values into the model's basis, once
+            part.acc = layer.tiers[index].attention_output(part.acc)
+            partial = merge(partial, part)
         if layer.state is not None:
             part = layer.state.readout(rows, geo.scaling)
             if part is not None:
@@ -269,8 +273,9 @@ def _tiled(layer, q5: torch.Tensor, q_pos: torch.Tensor, geo: Geometry, request:
         if wants_stats:
             if kept is None:  # recompute the logits of this query block (they did not fit in a tile)
                 kept = (
-                    (plan, j * plan.block, *_block_logits(plan, views[plan.index], j, geo, row_pos, lo_q, hi_q))
+                    (plan, j * plan.block, logits, plan.tier.attention_output(values))
                     for plan, j in _blocks_to_read(plans, lo_q, hi_q, geo.window)
+                    for logits, values in [_block_logits(plan, views[plan.index], j, geo, row_pos, lo_q, hi_q)]
                 )
             acc.add(kept, lse, block_out, first + qs, first + qe)
     acc.store(stats)

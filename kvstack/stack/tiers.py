@@ -99,10 +99,16 @@ class ExactTier(Tier):
         return query
 
     def attention_block(self, start: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, Hkv, n, Dk'] (the channels ``attention_query`` keeps) and values [B, Hkv, n, Dv] (full width) of
-        slots ``start:stop`` in ``dtype``, dequantized when the tier is quantized: temporaries of one key block, so
-        attention never holds a dequantized copy of the whole tier. ``start`` is a multiple of ``block_align``."""
+        """Keys [B, Hkv, n, Dk'] (the channels ``attention_query`` keeps) and values [B, Hkv, n, Dv] (full width, in
+        the basis ``attention_output`` maps back) of slots ``start:stop`` in ``dtype``, dequantized when the tier is
+        quantized: temporaries of one key block, so attention never holds a dequantized copy of the whole tier.
+        ``start`` is a multiple of ``block_align``."""
         raise NotImplementedError
+
+    def attention_output(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., Dv] in the basis of ``attention_block``'s values -> the model's basis. Linear, so attention
+        maps its weighted sum of a tier's values once instead of every value (a rotated tier un-rotates there)."""
+        return x
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (full precision, model dtype) of the slots ``index`` [B, Hi, K] (Hi 1 or Hkv)."""

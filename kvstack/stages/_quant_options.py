@@ -4,8 +4,8 @@ Spec side: :class:`QuantOptions`, a mixin of pydantic fields and their checks �
 
 * ``rotate`` (``none`` | ``hadamard`` | ``random``, ``rotate_seed``): keys and values are rotated along head_dim by
   an orthogonal ``R`` before quantization (QuaRot arXiv 2404.00456, TurboQuant arXiv 2504.19874). Attention reads
-  ``(R q).(R k) = q.k`` — the tier rotates the query (``attention_query``) and un-rotates each dequantized value
-  block (``attention_block``): one ``[n, D] x [D, D]`` product per block, no change to the engine's merge.
+  ``(R q).(R k) = q.k`` — the tier rotates the query (``attention_query``), and the engine un-rotates the tier's
+  weighted sum of the rotated values once (``attention_output``: ``sum_i p_i R^T v_i = R^T sum_i p_i v_i``).
 * ``key_rope: pre`` — pre-RoPE key quantization (KVQuant arXiv 2401.18079): the post-RoPE keys the cache receives
   are rotated back by their stored positions, quantized, and RoPE is re-applied per block on dequantization.
 * ``codebook`` (``uniform`` | ``nf``: the quantization levels) and ``scale_dtype`` (``model`` | ``float16`` |

@@ -150,7 +150,8 @@ class QuantizedTier(ExactTier):
     ``codec`` (:class:`TierCodec`): the precision options. 3-bit codes pack 8 per 3 bytes (``T / pf`` above is then
     ``3 T / 8``); scales and zero points are in ``codec.scale_dtype`` when set; with a rotation or pre-RoPE keys
     the codes hold the transformed keys/values (quantized from float32), the tier rotates the query in
-    ``attention_query``, re-applies RoPE / un-rotates in ``attention_block`` and ``gather``, and a ``random``
+    ``attention_query``, re-applies RoPE / un-rotates keys in ``attention_block``, values' weighted sum in
+    ``attention_output`` and both in ``gather``, and a ``random``
     rotation's matrix is held (and counted) with the tier. Such tiers leave the fused kernel (``kernel_data`` None).
     Tiers of one layer may share a codec (``quantized_prune``'s levels): one of them holds and counts its tensors,
     the others pass ``holds_codec_tensors=False``.
@@ -230,7 +231,10 @@ class QuantizedTier(ExactTier):
         values = dequantize(self.value_groups().slice_tokens(start, stop), dtype)
         if self.codec.keys_transformed:
             keys = self.codec.attention_keys(keys, self.positions[..., start:stop])
-        return keys, self.codec.values(values)
+        return keys, values  # rotated values stay rotated: attention_output un-rotates their weighted sum
+
+    def attention_output(self, x):
+        return self.codec.values(x)
 
     def kernel_data(self):
         if self.key_index is not None:  # the fused kernel reads every key channel
