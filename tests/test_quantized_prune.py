@@ -21,6 +21,7 @@ from kvstack.stages.quantized_prune import QuantizedPruneSpec
 
 TIERS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 2}]
 LOW_BITS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.5, "bits": 3}, {"rest": True, "bits": 2}]
+FILL_3 = [{"fill": True, "bits": 16}, {"rest": True, "bits": 3}]
 
 
 def stack(stack_budget=None, **stage) -> dict:
@@ -155,6 +156,37 @@ def test_a_fill_tier_takes_the_bytes_the_levels_below_leave(every):
     assert split.fill_count(216, 0, 216) > longer.fill_count(216, 0, 216)
 
 
+def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_tokens_cost():
+    """``layer_bits: {1: 4}`` on a 3-bit fill stack under ``ratio: 0.3``: layer 1 stores its tokens at 4 bits and may
+    hold more than 0.3 of its own bytes, the other layers less, the shares in proportion to the quantized token
+    costs and summing to the layer count, so the whole cache keeps the budget; every token stays (4 bits fit in the
+    larger share)."""
+    model = tiny_model("llama", head_dim=16, num_hidden_layers=3)
+    spec = kvstack.StackSpec.load(stack(
+        stack_budget={"ratio": 0.3}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
+        scale_dtype="float8_e4m3fn", tiers=FILL_3, layer_bits={1: 4},
+    ))
+    stage: QuantizedPruneSpec = spec.stages[0]
+    shape = kvstack.ModelShape.from_model(model)
+    shares = [stage.layer_scale(i, shape) for i in range(3)]
+    costs = [stage.level_costs(shape, torch.float32, i)[-1] for i in range(3)]
+    assert sum(shares) == pytest.approx(3) and shares[0] == shares[2] < 1 < shares[1]
+    assert shares[1] / shares[0] == pytest.approx(costs[1] / costs[0]) and costs[1] > costs[0]
+    ratios = []
+    with kvstack.applied(model, spec):
+        for cache in drive(model, None, prefill=200, steps=20):
+            seen = cache.get_seq_length()
+            assert cache.memory_bytes() <= 0.3 * cache.full_bytes()  # the promise, for the whole cache
+            names = [[t.name for t in layer.tiers] for layer in cache.layers]
+            assert names == [["full", "quantized3"], ["full", "quantized4"], ["full", "quantized3"]]
+            for i, layer in enumerate(cache.layers):
+                held = counts(layer)
+                assert sum(held.values()) == seen  # nothing evicted
+                assert layer.memory_bytes() <= layer.limit_bytes()  # each layer its own share
+            ratios.append([layer.memory_bytes() / (cache.full_bytes() / 3) for layer in cache.layers])
+    assert all(r[1] > 0.3 > r[0] for r in ratios[-4:])  # the 4-bit layer holds more than the even share
+
+
 def test_all_tokens_at_16_bits_is_the_identity():
     model = tiny_model("llama", dtype=torch.float64)  # h2o's statistics take the tiled path, identity SDPA
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -188,6 +220,12 @@ def test_all_tokens_at_16_bits_is_the_identity():
         ({"tiers": [{"fill": True, "bits": 16}, {"rest": True, "bits": 4}]}, r"tiers.fill=True .* a budget"),
         ({"tiers": [{"fill": True, "bits": 16}], "budget": {"ratio": 0.5}}, r"tiers.fill=True .* a tier below"),
         ({"tiers": [{"fill": True, "rest": True, "bits": 16}]}, "exactly one of 'fraction', 'rest: true' or 'fill"),
+        ({"tiers": TIERS, "layer_bits": {0: 3}}, r"layer_bits=\{0: 3\} is not allowed: none with 2 quantized levels"),
+        ({"tiers": FILL_3, "group_size": 8, "budget": {"ratio": 0.5}, "layer_bits": {-1: 4}}, r"layer_bits=\{-1: 4\} .* layer indices from 0"),
+        ({"tiers": FILL_3, "group_size": 8, "layer_bits": {0: 5}},
+         r"layer_bits.0: Input should be 2, 3, 4 or 8 \(got 5\)"),
+        ({"tiers": [{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 4}], "layer_bits": {1: 3}},
+         r"group_size=4 .* multiple of 8 for bits=3"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):
@@ -220,6 +258,17 @@ def test_options_show_only_where_a_level_is_quantized():
     assert "rotate: hadamard" in text and "codebook: nf" in text and "rotate_seed" not in text
     spec = kvstack.StackSpec.load(options_stack(rotate="random", rotate_seed=3, key_rope="pre"))
     assert kvstack.StackSpec.from_yaml(spec.to_yaml()) == spec
+
+
+def test_layer_bits_name_layers_of_the_model():
+    model = tiny_model("llama", num_hidden_layers=2)
+    with pytest.raises(kvstack.SpecError, match=r"layer_bits=\{5: 4\} is not allowed: layer indices 0..1 \(the model "
+                       r"has 2 layers\)"):
+        kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_bits={5: 4}))
+    plain = kvstack.StackSpec.load(stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3))
+    assert "layer_bits" not in plain.to_yaml()
+    mixed = plain.with_overrides(stages=[{**plain.stages[0].model_dump(), "layer_bits": {1: 4}}])
+    assert kvstack.StackSpec.from_yaml(mixed.to_yaml()) == mixed  # YAML round trip with integer layer keys
 
 
 def test_value_groups_must_divide_the_models_head_dim(real_model_and_tokenizer):

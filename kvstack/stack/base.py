@@ -104,8 +104,9 @@ class StageSpec(BaseModel):
         """The budget this stage sizes itself to (its own, else the stack's)."""
         return None
 
-    def layer_scale(self, layer_idx: int, num_layers: int) -> float:
-        """Share of the budget layer ``layer_idx`` gets, relative to the mean (1.0; a pyramid schedule varies it)."""
+    def layer_scale(self, layer_idx: int, shape: "ModelShape") -> float:
+        """Share of the budget layer ``layer_idx`` of a model of ``shape`` gets, relative to the mean (1.0; a pyramid
+        schedule or per-layer bits vary it; the shares of all layers sum to the number of layers)."""
         return 1.0
 
     def validate_with(self, stack_budget: Budget | None) -> None:

@@ -100,7 +100,7 @@ def check_budget(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype, refer
     plan = spec.memory_plan(shape, 1, dtype=dtype)
     state = max((layer.state_bytes for layer in plan.layers), default=0)
     if state and budget.tokens is not None:
-        scale = min(owner.layer_scale(i, shape.num_layers) for i in range(shape.num_layers))
+        scale = min(owner.layer_scale(i, shape) for i in range(shape.num_layers))
         limit = LayerPromise(budget, scale, ref_token).limit(0)
         if state > STATE_SHARE * limit:
             need = math.ceil(state / (STATE_SHARE * scale * ref_token))

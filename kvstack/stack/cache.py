@@ -350,7 +350,7 @@ class KVStackCache(Cache):
         for i in range(shape.num_layers):
             budget = None
             if keeper is not None:
-                budget = (held[0], keeper, held[1].layer_scale(i, shape.num_layers))
+                budget = (held[0], keeper, held[1].layer_scale(i, shape))
             layers.append(StackLayer(i, shape, stages, budget, self.reference_shape))
         super().__init__(layers=layers)
 

@@ -116,7 +116,8 @@ class EvictSpec(ScorerOptions, StageSpec):
             shape
         )
 
-    def layer_scale(self, layer_idx: int, num_layers: int) -> float:
+    def layer_scale(self, layer_idx: int, shape) -> float:
+        num_layers = shape.num_layers
         if self.schedule == "pyramid" and num_layers > 1:
             return 1 + self.pyramid_spread * (1 - 2 * layer_idx / (num_layers - 1))
         return 1.0
@@ -130,7 +131,7 @@ class EvictSpec(ScorerOptions, StageSpec):
         own = self.token_cost(shape, dtype)
         block = self.block_size if self.granularity == "block" else None
         return [
-            LayerCap(LayerPromise(budget, self.layer_scale(i, shape.num_layers), ref), own, block, self.every - 1)
+            LayerCap(LayerPromise(budget, self.layer_scale(i, shape), ref), own, block, self.every - 1)
             for i in range(shape.num_layers)
         ]
 

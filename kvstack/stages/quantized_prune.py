@@ -21,6 +21,12 @@ Two forms:
 * ``bits`` with a budget: tokens that eviction to that budget would keep stay in full precision, the tokens it would
   drop are demoted to ``bits`` instead (nothing is evicted).
 
+``layer_bits: {layer index: bits}`` changes the bits of the one quantized level in the layers listed (mixed precision
+by layer, after KVTuner, Li et al., arXiv 2502.04420: layers differ in how much their KV error costs). With a budget,
+each layer's share of the stack's total follows what its quantized tokens cost (``layer_scale``: a 4-bit layer
+among 3-bit ones may hold more bytes, the others less; the shares sum to the number of layers, so the total is the
+budget's).
+
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
 quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
 points in ``scale_dtype``, positions, records), the 16-bit level per token — fit in the layer's limit (``r * seen``
@@ -48,7 +54,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.budget import reference_bytes_per_token
+from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -108,6 +114,11 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
     )
     n_sink: int = Field(default=0, ge=0, description="First real tokens of each row, always in the top tier.")
     recent: int = Field(default=0, ge=0, description="Newest positions, always in the top tier.")
+    layer_bits: dict[int, Literal[2, 3, 4, 8]] | None = Field(
+        default=None,
+        description="{layer index: bits}: the quantized level's bits in those layers (one quantized level; the other "
+        "layers keep its bits). With a budget, each layer's share follows what its quantized tokens cost.",
+    )
 
     def inactive_options(self) -> set[str]:
         return super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
@@ -121,17 +132,24 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
     def effective_budget(self, stack_budget: Budget | None) -> Budget | None:
         return self.budget or stack_budget
 
-    def levels(self) -> list[PrecisionTier]:
-        """The tiers, the ``bits`` short form expanded (its 16-bit count comes from the budget)."""
+    def levels(self, layer_idx: int | None = None) -> list[PrecisionTier]:
+        """The tiers, the ``bits`` short form expanded (its 16-bit count comes from the budget); with ``layer_idx``,
+        that layer's (``layer_bits``)."""
         if self.tiers is not None:
-            return list(self.tiers)
-        if self.bits is None:  # neither form (validate_with refuses it)
+            levels = list(self.tiers)
+        elif self.bits is None:  # neither form (validate_with refuses it)
             return []
-        return [PrecisionTier(bits=16, fraction=1.0), PrecisionTier(bits=self.bits, rest=True)]
+        else:
+            levels = [PrecisionTier(bits=16, fraction=1.0), PrecisionTier(bits=self.bits, rest=True)]
+        bits = (self.layer_bits or {}).get(layer_idx)
+        if bits is None:
+            return levels
+        return [level if level.bits == 16 else level.model_copy(update={"bits": bits}) for level in levels]
 
     def quantized_bits(self) -> list[int]:
-        """Widths of the quantized levels (the precision options act on these)."""
-        return [level.bits for level in self.levels() if level.bits != 16]
+        """Widths of the quantized levels in any layer (the precision options act on these)."""
+        widths = [level.bits for level in self.levels() if level.bits != 16]
+        return widths + sorted(set((self.layer_bits or {}).values()) - set(widths))
 
     def validate_with(self, stack_budget) -> None:
         if (self.tiers is None) == (self.bits is None):
@@ -161,6 +179,16 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 raise spec_error(
                     "tiers.fraction", total, "fractions summing to 1 (or a last tier with rest: true) with a budget"
                 )
+        if self.layer_bits:
+            quantized = [level.bits for level in self.levels() if level.bits != 16]
+            if len(quantized) != 1:
+                raise spec_error(
+                    "layer_bits", self.layer_bits,
+                    f"none with {len(quantized)} quantized levels (tiers bits {quantized}): per-layer bits replace "
+                    "the bits of a stage's one quantized level",
+                )
+            if min(self.layer_bits) < 0:
+                raise spec_error("layer_bits", self.layer_bits, "layer indices from 0")
         value_group = self.value_group_size
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
@@ -178,6 +206,11 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         for bits in self.quantized_bits():
             check_quant_shape(shape, bits, value_group)
         self.check_quant_options_for(shape, self.quantized_bits())
+        if self.layer_bits and max(self.layer_bits) >= shape.num_layers:
+            raise spec_error(
+                "layer_bits", self.layer_bits, f"layer indices 0..{shape.num_layers - 1} (the model has "
+                f"{shape.num_layers} layers)",
+            )
 
     # --------------------------------------------------------------------------------------- sizing
     @property
@@ -193,9 +226,18 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         """Bytes per layer besides the tokens: the codec's (one ``random`` rotation matrix, shared by the levels)."""
         return QuantOptions.fixed_bytes(self, shape) if self.quantized_bits() else 0
 
-    def level_costs(self, shape, dtype) -> list[float]:
-        """Amortised bytes of one token per batch row in each level (codes, scales and zero points in
-        ``scale_dtype``, positions, records; the per-layer ``fixed_bytes`` aside)."""
+    def layer_scale(self, layer_idx: int, shape) -> float:
+        """Without ``layer_bits`` 1; with it, the layer's quantized token cost over the mean of all layers'."""
+        if not self.layer_bits:
+            return 1.0
+        cost = lambda i: self.level_costs(shape, shape.dtype, i)[-1]  # noqa: E731  (the one quantized level)
+        n, listed = shape.num_layers, [i for i in self.layer_bits if i < shape.num_layers]
+        total = cost(None) * (n - len(listed)) + sum(cost(i) for i in listed)
+        return cost(layer_idx) * n / total
+
+    def level_costs(self, shape, dtype, layer_idx: int | None = None) -> list[float]:
+        """Amortised bytes of one token per batch row in each level of layer ``layer_idx`` (codes, scales and zero
+        points in ``scale_dtype``, positions, records; the per-layer ``fixed_bytes`` aside)."""
         full = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype)
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         extra = self.per_token_extra(shape)
@@ -203,23 +245,25 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         return [
             full + extra if level.bits == 16
             else quantized_token_bytes(shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=sdt)
-            for level in self.levels()
+            for level in self.levels(layer_idx)
         ]
 
-    def level_split(self, shape, dtype, stack_budget, reference=None) -> "LevelSplit":
-        """How the kept tokens split into levels, as a function of the tokens seen and held (worked out once per
-        cache and dtype; ``reference``: the shape the budget is against, default ``shape``)."""
+    def level_split(self, shape, dtype, stack_budget, reference=None, layer_idx: int | None = None) -> "LevelSplit":
+        """How the kept tokens of layer ``layer_idx`` split into levels, as a function of the tokens seen and held
+        (worked out once per cache, dtype and layer bits; ``reference``: the shape the budget is against, default
+        ``shape``)."""
         budget = self.effective_budget(stack_budget)
         fill = bool(self.tiers) and self.tiers[0].fill
+        levels = self.levels(layer_idx)
         cumulative, acc = [], 0.0
-        for level in self.levels()[1 if fill else 0:]:  # a fill tier is sized by bytes, not by a share
+        for level in levels[1 if fill else 0:]:  # a fill tier is sized by bytes, not by a share
             acc += level.fraction or 0.0
             cumulative.append(None if level.rest else acc)
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         extra = self.per_token_extra(shape)
         full = shape.num_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(dtype) + extra
         costs = []
-        for level in self.levels()[: 1 if self.tiers is None else None]:  # short form: the 16-bit count is sized
+        for level in levels[: 1 if self.tiers is None else None]:  # short form: the 16-bit count is sized
             if level.bits == 16:
                 costs.append(lambda n, c=full: n * c)
             else:  # whole key groups, and the holes of up to one more before the tier merges them
@@ -232,6 +276,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             # the rotation matrix is per layer, not per row: reserving it in every row's share over-counts for
             # batches > 1, never under-counts
             fixed=self.fixed_bytes(shape), fill=fill, group=self.group_size,
+            scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
         )
 
     def slot_bytes(self, shape, dtype, bits: int, extra: int):
@@ -241,9 +286,11 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             shape, dtype, bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype()
         )
 
-    def level_counts(self, shape, dtype, stack_budget, seen: int, held: int) -> list[int]:
-        """Tokens per level (per row and KV head); tokens beyond their sum are evicted."""
-        split = self.level_split(shape, dtype, stack_budget)
+    def level_counts(
+        self, shape, dtype, stack_budget, seen: int, held: int, layer_idx: int | None = None
+    ) -> list[int]:
+        """Tokens per level (per row and KV head) of layer ``layer_idx``; tokens beyond their sum are evicted."""
+        split = self.level_split(shape, dtype, stack_budget, layer_idx=layer_idx)
         cap = split.cap(seen)
         fill = split.fill_count(seen, 0, min(cap, held)) if split.fill else 0
         bounds = split.bounds(cap, torch.tensor([held]), fill)[0].tolist()
@@ -254,19 +301,20 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         extra = self.per_token_extra(shape)
         full_cost = full_tier_bytes(shape, plan.dtype, positions_per_head=self.is_head_wise)
         records = get_scorer(self.scorer)(self, shape).record_bytes_per_token(shape)
-        for layer in plan.layers:
+        for i, layer in enumerate(plan.layers):
             full = layer.tier("full")
-            counts = self.level_counts(shape, plan.dtype, stack_budget, plan.seq_len, full.tokens)
+            counts = self.level_counts(shape, plan.dtype, stack_budget, plan.seq_len, full.tokens, i)
             full.bytes_for = lambda n, base=full_cost: base(n) + n * records
             quantized = 0
-            for level, count in zip(self.levels(), counts):
+            levels = self.levels(i)
+            for level, count in zip(levels, counts):
                 if level.bits == 16:
                     full.tokens = min(full.tokens, count + self.period - 1)
                 else:
                     cost = self.slot_bytes(shape, plan.dtype, level.bits, extra)
                     layer.tiers.append(TierPlan(f"quantized{level.bits}", count, cost))
                     quantized += count
-            if all(level.bits != 16 for level in self.levels()):
+            if all(level.bits != 16 for level in levels):
                 full.tokens = min(full.tokens, self.period - 1)
             if quantized:  # a random rotation's matrix exists from the first quantized token on
                 layer.fixed_bytes += self.fixed_bytes(shape)
@@ -278,7 +326,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
 class LevelSplit:
     """Level bounds of one stage. ``cap(seen, reserved)`` is the kept count ``N``: without a budget every held token;
     with one, the largest ``N`` whose levels cost (``costs[i](count_i)`` bytes per row) at most the layer's limit
-    (``budget`` against ``reference`` bytes per uncompressed token) less ``reserved`` bytes and the ``slack`` tokens
+    (``scale`` — the layer's share, ``layer_scale`` — times ``budget`` against ``reference`` bytes per
+    uncompressed token) less ``reserved`` bytes and the ``slack`` tokens
     that arrive at ``full`` bytes each before the next assignment (less the budget's growth meanwhile), and at most
     ``tokens``. Level i takes ranks ``[bound_{i-1}, bound_i)`` with ``bound_i = floor(cumulative_i * N)`` (``None``:
     the rest, ``N``). The short form (``cumulative`` None) keeps ``N`` at 16 bits and demotes the rest. ``fixed``:
@@ -290,8 +339,9 @@ class LevelSplit:
     split the other ``N - fill`` by their fractions."""
 
     def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0,
-                 fill: bool = False, group: int = 1):
+                 fill: bool = False, group: int = 1, scale: float = 1.0):
         self.budget, self.reference, self.costs = budget, reference, costs
+        self.promise = None if budget is None else LayerPromise(budget, scale, reference)  # the layer's limit
         self.full, self.slack, self.cumulative, self.fixed = full, slack, cumulative, fixed
         self.fill, self.group = fill, group  # a fill tier; the key group of the quantized levels
         self._cache: dict[tuple, int] = {}
@@ -309,13 +359,13 @@ class LevelSplit:
         return sum(cost(count) for cost, count in zip(self.costs, self.counts(n, fill)))
 
     def _limit(self, seen: int, reserved: int) -> int:
-        return self.budget.limit_bytes(seen, self.reference) - reserved - self.fixed
+        return self.promise.limit(seen) - reserved - self.fixed
 
     def _slack_bytes(self, limit: int) -> int:
         """Room for the tokens that arrive in full precision before the next assignment (net of the budget's growth
         meanwhile; at most a quarter of the limit: beyond that the stage re-assigns early, when the layer is over
         its limit)."""
-        growth = 0 if self.budget.ratio is None else self.budget.ratio * self.reference
+        growth = 0 if self.budget.ratio is None else self.promise.scale * self.budget.ratio * self.reference
         return min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
 
     def fill_count(self, seen: int, reserved: int, n: int) -> int:
@@ -409,19 +459,22 @@ class QuantizedPruneStage(Stage):
         self.recent = max(spec.recent, self.scorer.protected_recent())
         self.value_group = value_group_for(spec.value_group_size, spec.group_size, shape)
         self.key = f"quantized_prune:{id(self)}"
-        self._splits: dict[torch.dtype, LevelSplit] = {}
+        self._splits: dict[tuple, LevelSplit] = {}
 
     def split_for(self, layer) -> LevelSplit:
-        dtype = layer.full.keys.dtype
-        if dtype not in self._splits:  # once per dtype held (a model cast after apply holds another dtype)
-            self._splits[dtype] = self.spec.level_split(self.shape, dtype, self.stack_budget, layer.reference)
-        return self._splits[dtype]
+        # once per dtype held (a model cast after apply holds another dtype) and per layer bits
+        key = (layer.full.keys.dtype, (self.spec.layer_bits or {}).get(layer.layer_idx))
+        if key not in self._splits:
+            self._splits[key] = self.spec.level_split(
+                self.shape, key[0], self.stack_budget, layer.reference, layer.layer_idx
+            )
+        return self._splits[key]
 
     def init_layer(self, layer) -> None:
         tiers = []
         codec = self.spec.codec(self.shape, layer.layer_idx)  # one per layer: the levels share its rotation
         holder = True  # the first quantized level holds (and counts) the codec's tensors
-        for level in self.spec.levels():
+        for level in self.spec.levels(layer.layer_idx):
             if level.bits == 16:
                 tiers.append(layer.full)
                 continue
