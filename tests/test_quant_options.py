@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstack
+from kvstack.kernels.quant_pack import dequantize
 from kvstack.kernels.rope import apply_rope, rope_angles
 from kvstack.stack import engine
 from kvstack.stack.cache import StackLayer, compaction_index
@@ -35,7 +36,9 @@ OPTION_SETS = [
     {"codebook": "nf"},
     {"scale_dtype": "bfloat16"},
     {"scale_dtype": "float8_e4m3fn"},
+    {"value_clip": True},
     {"rotate": "hadamard", "key_rope": "pre", "codebook": "nf", "scale_dtype": "float8_e4m3fn"},
+    {"rotate": "hadamard", "key_rope": "pre", "codebook": "nf", "scale_dtype": "float8_e4m3fn", "value_clip": True},
 ]
 SCALE_BYTES = {"model": None, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
@@ -196,6 +199,30 @@ def test_three_bits_hold_three_eighths_of_a_byte_per_code():
 D = 16
 
 
+@pytest.mark.parametrize("options", [{}, {"rotate": "hadamard", "codebook": "nf", "scale_dtype": "bfloat16"}])
+def test_value_clip_clips_values_only_and_never_adds_error(options):
+    config = tiny_model("llama", head_dim=D).config
+    shape = ModelShape.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 2, 32, D, generator=g)
+    values = torch.randn(2, 2, 32, D, generator=g)
+    values[..., 3] *= 5  # a heavy channel sets every value group's range
+    pos = torch.arange(32, dtype=torch.int32).expand(2, 1, 32)
+    tiers = {}
+    for clip in (False, True):
+        codec = QuantOptions(**options, value_clip=clip).codec(shape, 0)
+        tiers[clip] = QuantizedTier(3, 8, 8, torch.float32, label="test", name="quantized", codec=codec)
+        tiers[clip].append(keys, values, pos)
+    plain, clipped = tiers[False], tiers[True]
+    assert torch.equal(plain.key_codes, clipped.key_codes) and torch.equal(plain.key_scale, clipped.key_scale)
+    assert plain.memory_bytes() == clipped.memory_bytes()
+    stored = plain.codec.store_values(values)  # what the tier quantizes
+    err = {c: (dequantize(t.value_groups(), torch.float32) - stored).pow(2).reshape(2, 2, 32, -1, 8).sum(-1)
+           for c, t in tiers.items()}
+    assert bool((err[True] <= err[False] * (1 + 1e-6) + 1e-9).all())
+    assert float(err[True].sum()) < 0.95 * float(err[False].sum())
+
+
 def make_layer(seed, codec_options, bits, *, batch=2, kv_heads=2, quant=24, empty_frac=0.2, head_positions=False):
     """A layer with a full tier (the queries' own tokens) and a quantized tier of random post-RoPE keys at random
     positions (some empty)."""
@@ -256,7 +283,8 @@ def test_attention_through_the_tier_equals_dense_attention_over_its_dequantized_
     monkeypatch.setattr(engine, "KEY_BLOCK", 8)  # several key blocks: every block re-ropes / un-rotates its own
     monkeypatch.setattr(engine, "TILE_ELEMENTS", 64)
     layer, tier, _ = make_layer(bits, options, bits, head_positions=head_positions)
-    assert (tier.kernel_data() is None) == (bool(options) or bits == 3)
+    # the fused kernel reads uniform 2/4/8-bit codes with model-dtype scales; clipped values are such codes
+    assert (tier.kernel_data() is None) == (bool(set(options) - {"value_clip"}) or bits == 3)
     query = torch.randn(2, 4, 3, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     out, _ = engine.attend(layer, query, StatsRequest(), padded=True, scaling=D**-0.5, softcap=None,
                            sliding_window=None)

@@ -560,6 +560,34 @@ def test_nf_spends_levels_where_gaussian_data_is():
             assert nf < 0.95 * uniform, (bits, axis, float(nf / uniform))
 
 
+@FAST
+@given(case=option_cases())
+def test_a_clip_search_never_loses_to_the_unclipped_group(case):
+    shape, bits, G, axis, dtype, levels, scale_dtype, mag, offset, seed = case
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * mag + offset).to(dtype)
+    x.view(-1)[seed % x.numel()] += 6 * mag  # an outlier in one group
+    plain = quantize(x, bits, G, axis, levels=levels, scale_dtype=scale_dtype)
+    clipped = quantize(x, bits, G, axis, levels=levels, scale_dtype=scale_dtype, clip=(1.0, 0.9, 0.8, 0.7))
+    assert clipped.scale.dtype == plain.scale.dtype and clipped.nbytes() == plain.nbytes()  # the same layout
+
+    def group_sq_err(q):
+        err = (dequantize(q, torch.float64) - x.double()) ** 2
+        return err.reshape(*shape[:2], -1, G, shape[3]).sum(3) if axis == "token" else err.reshape(*shape[:3], -1, G).sum(4)
+
+    assert bool((group_sq_err(clipped) <= group_sq_err(plain) * (1 + 1e-6) + 1e-12).all())
+    only_full = quantize(x, bits, G, axis, levels=levels, scale_dtype=scale_dtype, clip=(1.0,))
+    assert torch.equal(only_full.packed, plain.packed) and torch.equal(only_full.scale.float(), plain.scale.float())
+
+
+def test_a_clip_search_lowers_the_error_of_gaussian_groups_with_outliers():
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    x[..., 0] *= 4  # one heavy channel: the range of every value group is set by it
+    for bits in (2, 3):
+        plain = (dequantize(quantize(x, bits, 64, "channel", levels="nf")) - x).pow(2).mean()
+        clip = (dequantize(quantize(x, bits, 64, "channel", levels="nf", clip=(1.0, 0.9, 0.8, 0.7))) - x).pow(2).mean()
+        assert clip < 0.9 * plain, (bits, float(clip / plain))
+
+
 def test_option_arguments_are_checked():
     x = torch.randn(1, 1, 8, 8)
     with pytest.raises(ValueError, match=r"levels='lloyd' is not supported; allowed: \['uniform', 'nf'\]"):
@@ -568,6 +596,8 @@ def test_option_arguments_are_checked():
         quantize(x, 8, 8, "token", levels="nf")
     with pytest.raises(ValueError, match="scale_dtype=torch.int8 is not supported"):
         quantize(x, 3, 8, "token", scale_dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"clip=\(1.0, 1.5\) is not allowed: ratios in \(0, 1\]"):
+        quantize(x, 3, 8, "token", clip=(1.0, 1.5))
 
 
 def test_container_helpers_with_options():
@@ -594,6 +624,7 @@ def test_triton_dispatch_falls_back_to_torch_for_options(monkeypatch):
     quantize(x, 3, 8, "token")
     quantize(x, 4, 8, "token", levels="nf")
     quantize(x, 4, 8, "token", scale_dtype=torch.bfloat16)
+    quantize(x, 4, 8, "token", clip=(1.0, 0.9))
     with pytest.raises(AssertionError, match="triton path used"):
         quantize(x, 4, 8, "token", scale_dtype=torch.float32)  # the data dtype: the plain kernel's layout
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from archs import tiny_model
 from test_quant_options import OPTION_SETS, SCALE_BYTES, dense  # the options of quantize, on every level here
@@ -17,7 +19,8 @@ from kvstack.kernels.rotation import random_orthogonal
 from kvstack.stack import engine
 from kvstack.stack.stats import StatsRequest
 from kvstack.stages._quant_options import QuantOptions
-from kvstack.stages.quantized_prune import QuantizedPruneSpec
+from kvstack.stages.quantized_prune import QuantizedPruneSpec, levels_without_promotion
+from kvstack.stages.scorers import Scorer, register_scorer, unregister_scorer
 
 TIERS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.25, "bits": 4}, {"rest": True, "bits": 2}]
 LOW_BITS = [{"fraction": 0.25, "bits": 16}, {"fraction": 0.5, "bits": 3}, {"rest": True, "bits": 2}]
@@ -62,6 +65,72 @@ def test_window_scorer_puts_the_newest_tokens_at_the_highest_precision():
     full = sorted(p for p in layer.full.positions[0, 0].tolist() if p >= 0)
     q4 = sorted(p for p in layer.tiers[1].positions[0, 0].tolist() if p >= 0)
     assert full == [0, 1] + list(range(26, 32)) and q4 == list(range(18, 26))
+
+
+class _TableScorer(Scorer):
+    """Scores from a table the test sets: ``table[position]``."""
+
+    name = "test_position_table"
+    head_wise = False
+    table = torch.zeros(0)
+
+    def scores(self, layer, tier_index, tier, stats):
+        return type(self).table[tier.positions.clamp_min(0).long()]
+
+
+def test_a_quantized_token_is_never_moved_up_and_its_band_goes_to_a_token_still_at_that_precision():
+    register_scorer(_TableScorer)
+    try:
+        model = tiny_model("llama")
+        _TableScorer.table = torch.arange(64, dtype=torch.float32)  # the newest first
+        ids = torch.randint(3, 128, (1, 36), generator=torch.Generator().manual_seed(0))
+        with kvstack.applied(model, stack(scorer="test_position_table", tiers=TIERS)):
+            cache = kvstack.cache_for(model)
+            model(ids[:, :32], cache=cache)
+            layer = cache.layers[0]
+            held = lambda i: sorted(p for p in layer.tiers[i].positions[0, 0].tolist() if p >= 0)  # noqa: E731
+            assert (held(0), held(1), held(2)) == (list(range(24, 32)), list(range(16, 24)), list(range(16)))
+            _TableScorer.table = -torch.arange(64, dtype=torch.float32)  # now the oldest first
+            for t in range(32, 36):  # the stage re-ranks at 36 tokens (every = group_size = 4)
+                model(ids[:, t : t + 1], cache=cache)
+        # 36 tokens: 9 at 16 bits, 9 at 4, 18 at 2. Tokens 0-15 rank first but hold 2-bit error: they stay 2-bit.
+        # The 16-bit band takes the oldest tokens still at 16 bits, the 4-bit band the 4-bit ones and then the next.
+        assert held(0) == list(range(24, 33))
+        assert held(1) == list(range(16, 24)) + [33]
+        assert held(2) == list(range(16)) + [34, 35]
+    finally:
+        unregister_scorer("test_position_table")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_levels_are_cut_from_the_ranking_and_never_rise(data):
+    n = data.draw(st.integers(1, 24))
+    num_levels = data.draw(st.integers(1, 4))
+    score = torch.tensor(data.draw(st.lists(st.integers(-4, 4), min_size=n, max_size=n)), dtype=torch.float32)
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    current = torch.tensor(data.draw(st.lists(st.integers(-1, num_levels - 1), min_size=n, max_size=n)))
+    steps = data.draw(st.lists(st.integers(0, n), min_size=num_levels, max_size=num_levels))
+    bounds = torch.tensor(steps).cumsum(0).clamp_max(int(valid.sum()))
+    level = levels_without_promotion(score[None, None], valid[None, None], bounds[None, None], current[None, None])[0, 0]
+    assert bool((level[~valid] == num_levels).all())  # empty slots are not placed
+    assert bool((level[valid] >= current[valid].clamp_min(0)).all())  # nobody moves up
+    for j in range(num_levels):
+        at_or_above = valid & (level <= j)
+        assert int(at_or_above.sum()) <= int(bounds[j])
+        taken, passed = valid & (level == j), valid & (level > j) & (current <= j)
+        if bool(passed.any()):
+            # a band is left unfilled only when no slot that could take it is left
+            assert int(at_or_above.sum()) == int(bounds[j])
+            if bool(taken.any()):  # and it took the best-scored of those that could
+                assert float(score[taken].min()) >= float(score[passed].max())
+    plain = levels_without_promotion(
+        score[None, None], valid[None, None], bounds[None, None], torch.full_like(current, -1)[None, None]
+    )[0, 0]
+    order = torch.where(valid, score, torch.full_like(score, -math.inf)).argsort(descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(n))
+    cut = torch.where(valid, (rank[:, None] >= bounds[None, :]).sum(-1), torch.full_like(rank, num_levels))
+    assert torch.equal(plain, cut)  # with no quantized slot: the plain cut of the ranking at the bounds
 
 
 def test_fractions_without_rest_evict_the_remainder_within_the_bound():

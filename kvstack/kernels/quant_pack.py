@@ -99,6 +99,17 @@ path for anything else):
   attention error: the group extremes, which attention weighs most, lose their
   exactness.) A group whose zero or scale is outside the format's finite range
   (``+-448`` for e4m3, ``+-65504`` for float16) raises ``ValueError``.
+* ``clip`` (ratios ``a`` in ``(0, 1]``, e.g. ``(1.0, 0.9, 0.8, 0.7)``): each group is
+  first clamped to the centred fraction ``a`` of its range, ``[c - a h, c + a h]``
+  with ``c = (mx + mn) / 2``, ``h = (mx - mn) / 2``, for the ratio whose
+  quantization of the clamped group has the least squared error against the group
+  (ties to the earlier ratio), then quantized as above: a mean-squared-error clip
+  search in the spirit of AWQ's (arXiv 2306.00978) over a fixed grid, one
+  quantization per ratio. With ``1.0`` among the ratios no group's squared error
+  exceeds the unclipped one; an element beyond the clamp has error up to
+  ``(1 - a) h`` plus half a step. (For values: attention reads values as a
+  weighted mean, so their squared error is what counts; a key group's extremes set
+  attention logits, which clipping loses.)
 """
 
 from __future__ import annotations
@@ -493,14 +504,47 @@ def quantize_reference(
     *,
     levels: str = "uniform",
     scale_dtype: torch.dtype | None = None,
+    clip: Sequence[float] = (),
 ) -> QuantizedGroups:
-    """Plain-torch quantization (see module docstring for math, layout and the options ``levels`` and
-    ``scale_dtype``)."""
+    """Plain-torch quantization (see module docstring for math, layout and the options ``levels``,
+    ``scale_dtype`` and ``clip``)."""
     _check_quant_args(x, bits, group_size, axis)
     _check_levels(levels, bits)
     _check_scale_dtype(scale_dtype)
+    _check_clip(clip)
     maybe_overflow = _check_finite(x) if x.numel() else False
+    if clip and x.numel():
+        x = _clipped(x, bits, group_size, axis, maybe_overflow, levels, scale_dtype, clip)
     return _quantize_reference_unchecked(x, bits, group_size, axis, maybe_overflow, levels, scale_dtype)
+
+
+def _check_clip(clip) -> None:
+    if any(not (isinstance(a, (int, float)) and 0.0 < a <= 1.0) for a in clip):
+        raise ValueError(f"clip={tuple(clip)!r} is not allowed: ratios in (0, 1] (fractions of a group's range)")
+
+
+def _clipped(x, bits, group_size, axis, maybe_overflow, levels, scale_dtype, ratios) -> torch.Tensor:
+    """``x`` with each group clamped to the centred fraction of its range, among ``ratios``, whose quantization has
+    the least squared error (module docstring, ``clip``); in ``x``'s dtype, so a clamped bound is an element."""
+    xf = x.detach().float()
+    xg, red = _grouped(xf, group_size, axis)
+    mn, mx = xg.amin(dim=red, keepdim=True), xg.amax(dim=red, keepdim=True)
+    mid, half = (mx + mn) / 2, (mx - mn) / 2
+    best = best_err = None
+    for a in ratios:
+        if a >= 1.0:  # the group as it is (mid +- half may round off its extremes)
+            clamped = x
+        else:
+            clamped = torch.minimum(torch.maximum(xg, mid - a * half), mid + a * half).reshape(x.shape).to(x.dtype)
+        q = _quantize_reference_unchecked(clamped, bits, group_size, axis, maybe_overflow, levels, scale_dtype)
+        err = ((dequantize_reference(q, torch.float32) - xf) ** 2).reshape(xg.shape).sum(dim=red, keepdim=True)
+        if best is None:
+            best, best_err = clamped.reshape(xg.shape), err
+        else:
+            better = err < best_err
+            best = torch.where(better, clamped.reshape(xg.shape), best)
+            best_err = torch.where(better, err, best_err)
+    return best.reshape(x.shape)
 
 
 def _int_view(dtype: torch.dtype) -> torch.dtype:
@@ -784,19 +828,20 @@ def quantize(
     *,
     levels: str = "uniform",
     scale_dtype: torch.dtype | None = None,
+    clip: Sequence[float] = (),
 ) -> QuantizedGroups:
     """Quantize ``x`` ``[B, H, T, D]`` in groups of ``group_size`` along ``axis``.
 
     Uses the Triton kernel for CUDA tensors (or ``KVSTACK_KERNELS=triton``) when it covers the request (2/4/8
-    bits, uniform levels, scales in the input dtype), the torch reference otherwise. Raises ``ValueError`` for bad
-    arguments and non-finite input (details in the module docstring).
+    bits, uniform levels, scales in the input dtype, no clip search), the torch reference otherwise. Raises
+    ``ValueError`` for bad arguments and non-finite input (details in the module docstring).
     """
-    plain = levels == "uniform" and bits in PACK_FACTOR and (
+    plain = levels == "uniform" and bits in PACK_FACTOR and not clip and (
         scale_dtype is None or (isinstance(x, torch.Tensor) and scale_dtype == x.dtype)
     )
     if plain and isinstance(x, torch.Tensor) and use_triton(x):
         return quantize_triton(x, bits, group_size, axis)
-    return quantize_reference(x, bits, group_size, axis, levels=levels, scale_dtype=scale_dtype)
+    return quantize_reference(x, bits, group_size, axis, levels=levels, scale_dtype=scale_dtype, clip=clip)
 
 
 def dequantize(q: QuantizedGroups, dtype: torch.dtype | None = None) -> torch.Tensor:

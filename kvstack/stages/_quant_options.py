@@ -8,6 +8,8 @@ Spec side: :class:`QuantOptions`, a mixin of pydantic fields and their checks �
   weighted sum of the rotated values once (``attention_output``: ``sum_i p_i R^T v_i = R^T sum_i p_i v_i``).
 * ``key_rope: pre`` — pre-RoPE key quantization (KVQuant arXiv 2401.18079): the post-RoPE keys the cache receives
   are rotated back by their stored positions, quantized, and RoPE is re-applied per block on dequantization.
+* ``value_clip`` — each value group is clamped to the fraction of its range (1, 0.9, 0.8 or 0.7, centred) whose
+  quantization has the least squared error (a clip search; keys are never clipped: their extremes set the logits).
 * ``codebook`` (``uniform`` | ``nf``: the quantization levels) and ``scale_dtype`` (``model`` | ``float16`` |
   ``bfloat16`` | ``float8_e4m3fn``): the levels and the format of scales/zero points
   (``kvstack/kernels/quant_pack.py``). (Named ``codebook``, not ``levels``: ``quantized_prune`` has a ``levels()``
@@ -41,6 +43,8 @@ SCALE_DTYPES: dict[str, torch.dtype | None] = {
 ROTATE_HALF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 #: RoPE types whose frequencies are fixed (do not depend on the sequence length): keys can be un-rotated later
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: ``value_clip``: the fractions of a value group's range searched (1.0 first: no group does worse than unclipped)
+VALUE_CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7)
 #: bytes of one element of a stored rotation matrix (``rotate: random``; float32 [D, D] per layer)
 ROTATION_ITEMSIZE = 4
 
@@ -74,6 +78,12 @@ class QuantOptions(BaseModel):
         "of a Gaussian between the group's min and max), same bytes; nf acts on levels of 2, 3 or 4 bits (an "
         "8-bit level stays uniform).",
     )
+    value_clip: bool = Field(
+        default=False,
+        description="Clip each value group before quantizing it: of 1, 0.9, 0.8 and 0.7 of its range (centred), the "
+        "one whose quantization has the least squared error (four quantizations per group when values are stored; "
+        "the same bytes). Keys are not clipped: a key group's extremes set attention logits.",
+    )
     scale_dtype: Literal["model", "float16", "bfloat16", "float8_e4m3fn"] = Field(
         default="model",
         description="Format of the per-group scales and zero points: model (the model dtype) or a smaller float "
@@ -84,7 +94,7 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"rotate", "rotate_seed", "key_rope", "codebook", "scale_dtype"}
+            return {"rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
         return set() if self.rotate == "random" else {"rotate_seed"}
 
     def check_quant_options(self, bits: list[int]) -> None:
@@ -140,7 +150,10 @@ class QuantOptions(BaseModel):
     def codec(self, shape, layer_idx: int) -> "TierCodec":
         seed = self.rotate_seed + layer_idx if self.rotate == "random" else None
         inv_freq = rope_frequencies(shape, layer_idx) if self.key_rope == "pre" else None
-        return TierCodec(self.codebook, self.scale_torch_dtype(), self.rotate, None, inv_freq, seed, shape.head_dim)
+        return TierCodec(
+            self.codebook, self.scale_torch_dtype(), self.rotate, None, inv_freq, seed, shape.head_dim,
+            VALUE_CLIP_RATIOS if self.value_clip else (),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- RoPE from config
@@ -222,10 +235,12 @@ class TierCodec:
     inv_freq: torch.Tensor | None = None  # float32 [rope_dim / 2] (key_rope: pre)
     rotation_seed: int | None = None  # rotate: random, drawn on first use when ``rotation`` is None
     head_dim: int | None = None
+    value_clip: tuple[float, ...] = ()  # ratios of the values' clip search (none: no clipping)
 
     @property
     def plain(self) -> bool:
-        """KIVI as the fused kernel reads it (no option changes what is stored)."""
+        """KIVI as the fused kernel reads it: uniform codes, scales in the model dtype, keys as received
+        (``value_clip`` changes which codes are stored, not how they are read)."""
         return self.levels == "uniform" and self.scale_dtype is None and not self.keys_transformed
 
     @property

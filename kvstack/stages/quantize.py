@@ -208,7 +208,8 @@ class QuantizedTier(ExactTier):
         scale_dtype = self.codec.scale_dtype or (self.dtype if data != self.dtype else None)
         try:
             return quantize(
-                x.to(data).contiguous(), self.bits, group, axis, levels=self.levels, scale_dtype=scale_dtype
+                x.to(data).contiguous(), self.bits, group, axis, levels=self.levels, scale_dtype=scale_dtype,
+                clip=self.codec.value_clip if axis == "channel" else (),
             )
         except ValueError as err:
             raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None

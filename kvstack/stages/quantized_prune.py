@@ -41,8 +41,9 @@ a stack budget over it alone is refused by ``kvstack.apply``.)
 Each forward of the prompt, and every ``every`` decode steps (default ``group_size``, so demotions move whole key
 groups), the scorer ranks every token of the full tier and of this stage's quantized tiers (protected sinks and
 recent tokens first), the ranks are cut into the tiers' counts and tokens move between tiers with
-``StackLayer.demote`` (a promoted token keeps the error of its lowest precision so far) or leave with
-``StackLayer.retain`` (folded into the low-rank state when the stack has one).
+``StackLayer.demote`` or leave with ``StackLayer.retain`` (folded into the low-rank state when the stack has one).
+Tokens never move up (:func:`levels_without_promotion`): a quantized token keeps its error at a higher level, so its
+band goes to the best-ranked token that still holds that precision.
 """
 
 from __future__ import annotations
@@ -533,16 +534,41 @@ class QuantizedPruneStage(Stage):
         _, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats, tiers)
         protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
         score = torch.where(protected, torch.full_like(score, math.inf), score)
-        score = torch.where(valid, score, torch.full_like(score, -math.inf))
-        order = score.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        )
         split = self.split_for(layer)
         # sized for the most tokens a row can hold (``seen``: no host sync); rows holding fewer cost no more
         fill = split.fill_count(layer.seen, layer.reserved_bytes(), min(cap, layer.seen)) if split.fill else 0
         bounds = split.bounds(cap, valid.sum(-1), fill)  # [B, W, L]
-        level = (rank[..., None] >= bounds[..., None, :]).sum(-1)
-        level = torch.where(valid, level, torch.full_like(level, bounds.shape[-1]))
+        levels = layer.scratch[self.key]
+        width = score.shape[1]
+        current = torch.cat([  # the level each slot holds now (-1: the full tier when it is not a level)
+            torch.full_like(t.positions, levels.index(t) if t in levels else -1).expand(-1, width, -1)
+            for _, t in tiers
+        ], dim=-1)
+        level = levels_without_promotion(score, valid, bounds, current)
         return list(level.split([t.num_tokens for _, t in tiers], dim=-1))
+
+
+def levels_without_promotion(
+    score: torch.Tensor, valid: torch.Tensor, bounds: torch.Tensor, current: torch.Tensor
+) -> torch.Tensor:
+    """Target level of each slot ([B, W, T] int64; ``L`` = evicted) for cumulative bounds [B, W, L]: level ``j``
+    takes the best-scored slots not placed yet whose precision allows it (``current <= j``: a quantized token keeps
+    its error when it moves up, so it would spend a higher level's bytes for nothing), until ``bounds[..., j]``
+    slots hold levels ``<= j``. Without quantized slots this is the plain cut of the ranking at the bounds."""
+    num_levels = bounds.shape[-1]
+    level = torch.full_like(current, num_levels, dtype=torch.long)
+    open_ = valid.clone()
+    placed = torch.zeros_like(bounds[..., :1])
+    slots = torch.arange(score.shape[-1], device=score.device).expand_as(score)
+    for j in range(num_levels):
+        eligible = open_ & (current <= j)
+        order = torch.where(eligible, score, torch.full_like(score, -math.inf)).argsort(
+            dim=-1, descending=True, stable=True
+        )
+        rank = torch.empty_like(order).scatter_(-1, order, slots)
+        take = eligible & (rank < bounds[..., j : j + 1] - placed)
+        level = torch.where(take, torch.full_like(level, j), level)
+        open_ &= ~take
+        placed = placed + take.sum(-1, keepdim=True)
+    return level
 
