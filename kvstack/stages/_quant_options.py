@@ -81,7 +81,7 @@ class QuantOptions(BaseModel):
     value_clip: bool = Field(
         default=False,
         description="Clip each value group before quantizing it: of 1, 0.9, 0.8 and 0.7 of its range (centred), the "
-        "one whose quantization has the least squared error (four quantizations per group when values are stored; "
+        "one whose quantization has the least squared error (five quantizations when values are stored: four candidates, then the chosen one; "
         "the same bytes). Keys are not clipped: a key group's extremes set attention logits.",
     )
     scale_dtype: Literal["model", "float16", "bfloat16", "float8_e4m3fn"] = Field(
