@@ -172,6 +172,16 @@ def test_window_with_sinks_and_head_wise_override():
     assert layer.full.positions.shape[1] == 1
 
 
+def test_a_budget_below_the_protected_sets_keeps_the_sinks_then_the_newest():
+    """A ratio budget may hold fewer tokens than the sinks and the recent window (the budget wins): the tokens kept
+    are the sinks and then the newest, whatever the scores — not an arbitrary subset of the protected ones."""
+    q, k, v = random_qkv(64, 3)
+    layer = run_layer([(q, k, v)], scorer="key_norm", budget={"ratio": 0.2}, head_wise=False, n_sink=2, recent=32)
+    kept = kept_positions(layer)[0][0]
+    assert 2 < len(kept) < 2 + 32
+    assert kept == [0, 1, *range(64 - (len(kept) - 2), 64)]
+
+
 # ------------------------------------------------------------------------------------------- Algorithm 1
 def test_algorithm_1_hand_made_example():
     """9 tokens, blocks of 2: b0=[5,5] b1=[1,2] b2=[9,0] b3=[3,3] b4=[0] (newest, partial). Budget 3 blocks."""

@@ -225,6 +225,23 @@ def test_a_fill_tier_takes_the_bytes_the_levels_below_leave(every):
     assert split.fill_count(216, 0, 216) > longer.fill_count(216, 0, 216)
 
 
+@pytest.mark.parametrize("scorer", ["h2o", "key_norm"])
+def test_a_fill_tier_smaller_than_the_protected_sets_takes_the_sinks_then_the_newest(scorer):
+    """With ``recent`` (or a scorer's window) larger than the fill tier, the fill tier holds the sinks and then the
+    newest protected tokens, not the oldest of the window."""
+    model = tiny_model("llama", head_dim=16)
+    spec = stack(
+        stack_budget={"ratio": 0.3}, scorer=scorer, n_sink=2, recent=150, group_size=8, value_group_size="head_dim",
+        scale_dtype="float8_e4m3fn", every=4, tiers=FILL_3,
+    )
+    with kvstack.applied(model, spec):
+        cache = next(drive(model, None, prefill=200))
+    for layer in cache.layers:
+        positions = sorted(p for p in layer.full.positions[0, 0].tolist() if p >= 0)
+        assert 2 < len(positions) < 2 + 150
+        assert positions == [0, 1, *range(200 - (len(positions) - 2), 200)]
+
+
 def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_tokens_cost():
     """``layer_bits: {1: 4}`` on a 3-bit fill stack under ``ratio: 0.3``: layer 1 stores its tokens at 4 bits and may
     hold more than 0.3 of its own bytes, the other layers less, the shares in proportion to the quantized token

@@ -41,7 +41,7 @@ from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
 from kvstack.stack.memory import full_tier_bytes
 from kvstack.stack.registry import register_stage
 
-from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
+from .scorers import ScorerOptions, get_scorer, keep_order, protected_tokens, union_scores
 
 
 @register_stage
@@ -238,13 +238,12 @@ class EvictStage(Stage):
     def select(self, layer, cap: int, stats) -> list[torch.Tensor]:
         """Keep masks, one per non-empty exact tier: the best ``cap`` tokens per (row, head) over all tiers."""
         tiers, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats)
-        protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
         if self.spec.granularity == "block":
+            protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
             keep = block_keep(score, pos, protected, self.spec.block_size, cap // self.spec.block_size, self.spec.aggregate)
         else:
-            score = torch.where(protected, torch.full_like(score, math.inf), score)
-            score = torch.where(valid, score, torch.full_like(score, -math.inf))
-            top = score.topk(min(cap, score.shape[-1]), dim=-1).indices
+            key = keep_order(score, pos, valid, layer.seen, self.spec.n_sink, self.recent)
+            top = key.topk(min(cap, key.shape[-1]), dim=-1).indices
             keep = torch.zeros_like(valid).scatter_(-1, top, True) & valid
         return list(keep.split([t.num_tokens for _, t in tiers], dim=-1))
 

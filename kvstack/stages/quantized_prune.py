@@ -63,7 +63,7 @@ from ._quant_options import QuantOptions
 from .quantize import (
     QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
 )
-from .scorers import ScorerOptions, get_scorer, protected_tokens, union_scores
+from .scorers import ScorerOptions, get_scorer, keep_order, union_scores
 
 LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a token is moving to
 
@@ -532,8 +532,7 @@ class QuantizedPruneStage(Stage):
     def assign(self, layer, tiers, stats, cap: int | None) -> list[torch.Tensor]:
         """Target level of every slot of each tier ([B, W, T_i] int; ``len(levels)`` = evict)."""
         _, score, pos, valid = union_scores(self.scorer, self.spec.is_head_wise, layer, stats, tiers)
-        protected = protected_tokens(pos, valid, layer.seen, self.spec.n_sink, self.recent)
-        score = torch.where(protected, torch.full_like(score, math.inf), score)
+        score = keep_order(score, pos, valid, layer.seen, self.spec.n_sink, self.recent)
         split = self.split_for(layer)
         # sized for the most tokens a row can hold (``seen``: no host sync); rows holding fewer cost no more
         fill = split.fill_count(layer.seen, layer.reserved_bytes(), min(cap, layer.seen)) if split.fill else 0

@@ -16,6 +16,7 @@ as they are now (an earlier stage or the sliding-window drop may have moved toke
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
@@ -238,16 +239,35 @@ class Scorer:
 
 def protected_tokens(pos: torch.Tensor, valid: torch.Tensor, seen: int, n_sink: int, recent: int) -> torch.Tensor:
     """[B, W, T]: the first ``n_sink`` real tokens of each row (left padding shifts where a row starts) and the
-    ``recent`` newest positions — never evicted or demoted."""
-    out = torch.zeros_like(valid)
-    if n_sink:
-        big = torch.iinfo(pos.dtype).max
-        ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
-        k = min(n_sink, ranked.shape[-1])
-        out = out | (valid & (pos <= ranked[..., k - 1 : k]))
-    if recent:
-        out = out | (valid & (pos >= seen - recent))
-    return out
+    ``recent`` newest positions — never evicted or demoted while the budget holds them all."""
+    return _sink_tokens(pos, valid, n_sink) | (valid & (pos >= seen - recent) if recent else torch.zeros_like(valid))
+
+
+def _sink_tokens(pos: torch.Tensor, valid: torch.Tensor, n_sink: int) -> torch.Tensor:
+    if not n_sink:
+        return torch.zeros_like(valid)
+    big = torch.iinfo(pos.dtype).max
+    ranked = torch.where(valid, pos, torch.full_like(pos, big)).sort(dim=-1).values
+    k = min(n_sink, ranked.shape[-1])
+    return valid & (pos <= ranked[..., k - 1 : k])
+
+
+def keep_order(
+    score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, seen: int, n_sink: int, recent: int
+) -> torch.Tensor:
+    """[B, W, T] float64 keys, higher = kept (or kept at higher precision) first: the sinks, then the other
+    protected tokens newest first, then every other token by its score (unchanged, ties as ``topk`` breaks them);
+    empty slots -inf. When a budget holds fewer tokens than the protected sets, the ones it keeps are therefore the
+    sinks and the newest, never an arbitrary subset."""
+    key = score.double()
+    sinks = _sink_tokens(pos, valid, n_sink)
+    recent_ = valid & (pos >= seen - recent) if recent else torch.zeros_like(valid)
+    scored = valid & ~(sinks | recent_) & key.isfinite()
+    top = torch.where(scored, key, torch.full_like(key, -math.inf)).amax(-1, keepdim=True)
+    base = torch.where(top.isfinite(), top, torch.zeros_like(top)) + 1  # above every score (float64: exact steps)
+    key = torch.where(recent_, base + (pos - (seen - recent)).double(), key)  # 0..recent - 1, newer higher
+    key = torch.where(sinks, base + recent + 1, key)
+    return torch.where(valid, key, torch.full_like(key, -math.inf))
 
 
 def union_scores(scorer: "Scorer", head_wise: bool, layer: "StackLayer", stats: "AttentionStats", tiers=None):
