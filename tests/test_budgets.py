@@ -112,8 +112,12 @@ def quantized_prune_options(draw):
         "codebook": draw(st.sampled_from(["uniform", "nf"])), "scale_dtype": draw(st.sampled_from(cheaper)),
         "every": draw(st.sampled_from([None, 1, 4])),
     }
+    if draw(st.booleans()):  # keys at other bits than the values on the last level
+        tiers[-1] = {**tiers[-1], "key_bits": draw(st.sampled_from([2, 3, 4, 8]))}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):  # mixed precision by layer
         stage["layer_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 4, 8]))}
+    if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):
+        stage["layer_key_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 3, 4, 8]))}
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
     else:

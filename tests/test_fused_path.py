@@ -26,6 +26,12 @@ STACKS = {
         "budget": {"tokens": 12},  # the state must fit a quarter of the budget (docs/budgets.md)
         "stages": [{"kind": "evict", "n_sink": 2}, {"kind": "lowrank", "rank": 4}],
     },
+    "keys-4-values-2": {  # the kernel unpacks keys and values at their own bits
+        "stages": [{
+            "kind": "quantized_prune", "scorer": "window", "n_sink": 2, "group_size": 8,
+            "tiers": [{"fraction": 0.25, "bits": 16}, {"rest": True, "bits": 2, "key_bits": 4}],
+        }],
+    },
 }
 
 

@@ -242,15 +242,18 @@ def test_a_fill_tier_smaller_than_the_protected_sets_takes_the_sinks_then_the_ne
         assert positions == [0, 1, *range(200 - (len(positions) - 2), 200)]
 
 
-def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_tokens_cost():
-    """``layer_bits: {1: 4}`` on a 3-bit fill stack under ``ratio: 0.3``: layer 1 stores its tokens at 4 bits and may
-    hold more than 0.3 of its own bytes, the other layers less, the shares in proportion to the quantized token
-    costs and summing to the layer count, so the whole cache keeps the budget; every token stays (4 bits fit in the
-    larger share)."""
+@pytest.mark.parametrize("per_layer, name", [
+    ({"layer_bits": {1: 4}}, "quantized4"), ({"layer_key_bits": {1: 4}}, "quantized-k4v3"),
+])
+def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_tokens_cost(per_layer, name):
+    """``layer_bits: {1: 4}`` (or ``layer_key_bits``: the keys only) on a 3-bit fill stack under ``ratio: 0.3``: layer
+    1 stores its tokens at 4 bits and may hold more than 0.3 of its own bytes, the other layers less, the shares in
+    proportion to the quantized token costs and summing to the layer count, so the whole cache keeps the budget;
+    every token stays (4 bits fit in the larger share)."""
     model = tiny_model("llama", head_dim=16, num_hidden_layers=3)
     spec = kvstack.StackSpec.load(stack(
         stack_budget={"ratio": 0.3}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
-        scale_dtype="float8_e4m3fn", tiers=FILL_3, layer_bits={1: 4},
+        scale_dtype="float8_e4m3fn", tiers=FILL_3, **per_layer,
     ))
     stage: QuantizedPruneSpec = spec.stages[0]
     shape = kvstack.ModelShape.from_model(model)
@@ -264,13 +267,15 @@ def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_
             seen = cache.get_seq_length()
             assert cache.memory_bytes() <= 0.3 * cache.full_bytes()  # the promise, for the whole cache
             names = [[t.name for t in layer.tiers] for layer in cache.layers]
-            assert names == [["full", "quantized3"], ["full", "quantized4"], ["full", "quantized3"]]
+            assert names == [["full", "quantized3"], ["full", name], ["full", "quantized3"]]
+            if "layer_key_bits" in per_layer:
+                assert (cache.layers[1].tiers[1].key_bits, cache.layers[1].tiers[1].bits) == (4, 3)
             for i, layer in enumerate(cache.layers):
                 held = counts(layer)
                 assert sum(held.values()) == seen  # nothing evicted
                 assert layer.memory_bytes() <= layer.limit_bytes()  # each layer its own share
             ratios.append([layer.memory_bytes() / (cache.full_bytes() / 3) for layer in cache.layers])
-    assert all(r[1] > 0.3 > r[0] for r in ratios[-4:])  # the 4-bit layer holds more than the even share
+    assert all(r[1] > r[0] and r[0] < 0.3 for r in ratios[-4:])  # the 4-bit layer holds more, the others less than 0.3
 
 
 def test_all_tokens_at_16_bits_is_the_identity():
@@ -312,9 +317,21 @@ def test_all_tokens_at_16_bits_is_the_identity():
          r"layer_bits.0: Input should be 2, 3, 4 or 8 \(got 5\)"),
         ({"tiers": [{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 4}], "layer_bits": {1: 3}},
          r"group_size=4 .* multiple of 8 for bits=3"),
+        ({"tiers": [{"fraction": 0.5, "bits": 16, "key_bits": 4}, {"rest": True, "bits": 4}]},
+         r"key_bits=4 on a 16-bit tier"),
+        ({"tiers": [{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 4, "key_bits": 3}]},
+         r"group_size=4 .* multiple of 8 for bits=3"),  # key groups pack the keys' 3-bit codes
+        ({"tiers": [{"fraction": 0.5, "bits": 16}, {"rest": True, "bits": 2, "key_bits": 4}], "group_size": 4,
+          "value_group_size": 4}, None),  # 2-bit values pack 4 per byte: value groups of 4 are fine
+        ({"tiers": TIERS, "layer_key_bits": {0: 4}},
+         r"layer_key_bits=\{0: 4\} is not allowed: none with 2 quantized levels"),
+        ({"tiers": FILL_3, "group_size": 8, "budget": {"ratio": 0.5}, "layer_key_bits": {-2: 4}}, r"layer_key_bits=\{-2: 4\} .* layer indices from 0"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):
+    if message is None:  # a valid neighbour of the refused ones
+        kvstack.StackSpec.load(stack(**stage))
+        return
     with pytest.raises(kvstack.SpecError, match=message):
         kvstack.StackSpec.load(stack(**stage))
 
@@ -346,11 +363,38 @@ def test_options_show_only_where_a_level_is_quantized():
     assert kvstack.StackSpec.from_yaml(spec.to_yaml()) == spec
 
 
+def test_a_level_with_key_bits_stores_its_keys_and_values_at_their_own_bits():
+    """``{rest: true, bits: 3, key_bits: 8}`` against plain 3 bits on the same prompt: the values are the same
+    3-bit codes, the keys 8-bit ones (far closer to the keys as received), and the tier costs what its tensors hold,
+    the amount the budget is sized with."""
+    model = tiny_model("llama")
+    tiers = {
+        key_bits: [{"fraction": 0.25, "bits": 16}, {"rest": True, "bits": 3, **({"key_bits": key_bits} if key_bits else {})}]
+        for key_bits in (None, 8)
+    }
+    plain, _ = prefill(model, options_stack(tiers[None]), 64)
+    mixed, _ = prefill(model, options_stack(tiers[8]), 64)
+    full, _ = prefill(model, "identity", 64)
+    stage: QuantizedPruneSpec = kvstack.StackSpec.load(options_stack(tiers[8])).stages[0]
+    for a, b, reference in zip(plain.layers, mixed.layers, full.layers):
+        three, eight = a.tiers[1], b.tiers[1]
+        assert (eight.name, eight.key_bits, eight.bits) == ("quantized-k8v3", 8, 3)
+        assert torch.equal(eight.value_codes, three.value_codes) and torch.equal(eight.positions, three.positions)
+        keys = _by_position(reference.full.keys, eight.positions)
+        err = lambda t: float((dequantize(t.key_groups(), torch.float32) - keys).norm() / keys.norm())  # noqa: E731
+        assert err(eight) < err(three) / 8
+        assert eight.key_codes.shape[2] == 48 and three.key_codes.shape[2] == 48 * 3 // 8  # 48 slots, packed
+        assert eight.bytes_per_token() == stage.level_costs(mixed.shape, torch.float32)[-1]
+        assert eight.memory_bytes() - three.memory_bytes() == 48 * 2 * 16 * (8 - 3) // 8  # the keys' codes only
+
+
 def test_layer_bits_name_layers_of_the_model():
     model = tiny_model("llama", num_hidden_layers=2)
     with pytest.raises(kvstack.SpecError, match=r"layer_bits=\{5: 4\} is not allowed: layer indices 0..1 \(the model "
                        r"has 2 layers\)"):
         kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_bits={5: 4}))
+    with pytest.raises(kvstack.SpecError, match=r"layer_key_bits=\{2: 4\} is not allowed: layer indices 0..1"):
+        kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_key_bits={2: 4}))
     plain = kvstack.StackSpec.load(stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3))
     assert "layer_bits" not in plain.to_yaml()
     mixed = plain.with_overrides(stages=[{**plain.stages[0].model_dump(), "layer_bits": {1: 4}}])

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import kvstack
 from kvstack.bench import models, real_model
-from kvstack.bench.real_model import CodeKLRow, NeedleRow
+from kvstack.bench.real_model import CodeKLRow, NeedleRow, _standard_error
 from kvstack.cli import app
 
 PROMPT = 64  # tokens of the identity check
@@ -135,12 +135,14 @@ def test_code_kl_end_to_end_through_the_cli(smollm2_source, smollm2_data, tmp_pa
         assert row["memory_ratio"] == pytest.approx(row["memory_bytes"] / row["full_bytes"])
         assert row["memory_ratio_max"] >= row["memory_ratio"] and row["memory_bytes_max"] >= row["memory_bytes"]
         assert row["decode_seconds"] > 0 and len(row["wall_seconds"]) == 1
+        assert row["kl_se"] is None  # one passage: no spread to report
     assert rows["full-cache"]["decode_time_ratio"] == 1.0 and rows["full-cache"]["memory_ratio"] == 1.0
     identity, streaming = rows["identity"], rows["streaming@0.5"]
     assert 1.0 < identity["memory_ratio"] < 1.01  # one int32 position per token on top of the bf16 keys/values
     assert identity["kl"] < 0.02 and identity["top1"] > 0.9  # bf16 rounding only
     assert streaming["memory_ratio"] <= 0.5 + 0.01 and streaming["ratio_target"] == 0.5
     assert streaming["kl"] > identity["kl"] and streaming["spec"]["budget"] == {"ratio": 0.5}
+    assert 8 / 24 <= streaming["kl_worst_share"] < 1  # the 8 worst of 24 positions carry at least their share
     meta = data["metadata"]
     assert (meta["protocol"], meta["prefix"], meta["max_len"], meta["model_dtype"]) == ("code-kl", PREFIX, MAX_LEN,
                                                                                         "bfloat16")
@@ -209,3 +211,9 @@ def test_cli_bench_rejects_bad_real_model_options(tmp_path):
     result = CliRunner().invoke(app, base + ["--protocol", "code-kl", "--data", str(data)])
     assert result.exit_code == 2 and "neither a config.json" in result.output  # the model is checked last
     assert not (tmp_path / "o").exists()
+
+
+def test_the_kl_standard_error_is_that_of_the_per_passage_mean():
+    assert _standard_error([0.01]) is None
+    assert _standard_error([0.01, 0.01]) == 0.0
+    assert _standard_error([0.01, 0.02, 0.03, 0.06]) == pytest.approx(0.0216025 / 2, rel=1e-5)  # sample std / sqrt(4)

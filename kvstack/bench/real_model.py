@@ -13,7 +13,10 @@
   agreement, perplexity of the true next tokens; memory: ``cache.memory_bytes()`` right after the prefix over
   ``kvstack.full_cache_bytes`` of the same tokens in the model's dtype, and the largest such ratio (and the largest
   bytes) over every decode step; decode time per token (the model calls only) over that of the full
-  ``DynamicCache`` in the same run.
+  ``DynamicCache`` in the same run. The KL's spread: the standard error of the per-passage mean (``kl_se``) and the
+  share of it carried by each passage's 8 worst positions (``kl_worst_share``). On SmolLM2 at a quarter of the cache
+  that share is about half: a few positions where the compressed run's distribution moves a lot decide the figure, so
+  passages differ by 2x and two stacks within about two standard errors are not told apart.
 
 ``needle`` (``kvstack bench --protocol needle``), per task of ``smollm2-needle-dev.jsonl``: the user turn
 ``<context>\\n\\n<question>`` is formatted with the tokenizer's chat template (its default system prompt included,
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import time
@@ -240,11 +244,24 @@ class CodeKLRow:
     wall_seconds: list[float]  # per passage: prefill + decode + memory reads
     positions: int  # predicted positions over all passages
     per_passage_kl: list[float]
+    kl_se: float | None  # standard error of the mean of per_passage_kl (None for one passage)
+    kl_worst_share: float  # share of the KL carried by each passage's WORST_POSITIONS positions: how spiky it is
     pareto: bool  # on the (memory ratio, KL) front of this run
     spec: dict | None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+WORST_POSITIONS = 8  # per passage, for ``kl_worst_share``
+
+
+def _standard_error(values: list[float]) -> float | None:
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def reference_logprobs(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -328,6 +345,8 @@ def run_code_kl(
                     comp = m.pop("logprobs")
                     kl = (ref.exp() * (ref - comp)).sum(-1)
                     m["kl"] = float(kl.mean())
+                    m["kl_worst"] = float(kl.topk(min(WORST_POSITIONS, kl.numel())).values.sum())
+                    m["kl_sum"] = float(kl.sum())
                     m["positions"] = kl.numel()
                     m["agree"] = int((ref.argmax(-1) == comp.argmax(-1)).sum())
                     m["nll"] = float(-comp.gather(-1, ids[prefix:, None]).sum())
@@ -364,6 +383,8 @@ def run_code_kl(
                 wall_seconds=[m["wall_seconds"] for m in per],
                 positions=positions,
                 per_passage_kl=[m["kl"] for m in per],
+                kl_se=_standard_error([m["kl"] for m in per]),
+                kl_worst_share=total(per, "kl_worst") / total(per, "kl_sum") if total(per, "kl_sum") > 0 else float("nan"),
                 pareto=False,
                 spec=_run_fields(run)["spec"],
             )
@@ -425,13 +446,16 @@ def code_kl(
 
 def code_kl_table(rows: list[CodeKLRow]) -> str:
     lines = [
-        "| stack | memory ratio | max ratio (decode) | bytes | KL | top-1 | ppl | decode time | s/passage | front |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        f"| stack | memory ratio | max ratio (decode) | bytes | KL | ± s.e. | worst {WORST_POSITIONS} | top-1 | ppl "
+        "| decode time | s/passage | front |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for r in rows:
         wall = sum(r.wall_seconds) / len(r.wall_seconds)
+        se = "" if r.kl_se is None else f"{r.kl_se:.2g}"
         lines.append(
             f"| {r.name} | {r.memory_ratio:.3f} | {r.memory_ratio_max:.3f} | {r.memory_bytes:,} | {r.kl:.4g} "
+            f"| {se} | {r.kl_worst_share:.0%} "
             f"| {r.top1:.3f} | {r.ppl:.3f} | {r.decode_time_ratio:.2f}x | {wall:.1f} | {'*' if r.pareto else ''} |"
         )
     return "\n".join(lines)

@@ -68,10 +68,11 @@ def _packing(bits: int) -> tuple[int, str]:
     return codes, f"{codes} codes per byte" if nbytes == 1 else f"{codes} codes packed in {nbytes} bytes"
 
 
-def check_quant_params(bits: int, group_size: int, value_group, residual: int | None) -> None:
-    """Shape-independent checks shared by ``quantize`` and ``quantized_prune``."""
+def check_quant_params(bits: int, group_size: int | None, value_group, residual: int | None) -> None:
+    """Shape-independent checks shared by ``quantize`` and ``quantized_prune`` (``None``: not checked; key groups
+    pack the keys' bits, value groups the values')."""
     pf, how = _packing(bits)
-    if group_size % pf:
+    if group_size is not None and group_size % pf:
         raise spec_error("group_size", group_size, f"a multiple of {pf} for bits={bits} ({how})")
     if isinstance(value_group, int) and value_group % pf:
         raise spec_error("value_group_size", value_group, f"a multiple of {pf} for bits={bits} ({how})")
@@ -106,18 +107,20 @@ def quantized_slot_bytes(
     key_dim: int | None = None,
     *,
     scale_dtype: torch.dtype | None = None,
+    key_bits: int | None = None,
 ):
     """Cost of ``n`` tokens in a quantized tier per batch row (all KV heads): ``group_size * ceil(n / group_size)``
     slots of codes + per-group scale and zero (keys) + per-token scale and zero (values) + ``extra_per_slot``
     (positions and per-token records). ``key_dim``: key channels stored (default all); ``scale_dtype``: the format
-    of scales and zero points (default ``dtype``). Constant per-layer tensors (``QuantOptions.fixed_bytes``) are not
-    included."""
+    of scales and zero points (default ``dtype``); ``key_bits``: the keys' bits (default ``bits``). Constant
+    per-layer tensors (``QuantOptions.fixed_bytes``) are not included."""
     e = _itemsize(scale_dtype or dtype)
     h, dk, dv = shape.num_kv_heads, shape.head_dim if key_dim is None else key_dim, shape.value_dim
+    kb = bits if key_bits is None else key_bits
 
     def cost(n: int) -> int:
         slots = group_size * math.ceil(n / group_size)
-        keys = slots * dk * bits // 8 + 2 * e * (slots // group_size) * dk
+        keys = slots * dk * kb // 8 + 2 * e * (slots // group_size) * dk
         values = slots * dv * bits // 8 + 2 * e * slots * (dv // value_group)
         return h * (keys + values) + slots * extra_per_slot
 
@@ -126,13 +129,14 @@ def quantized_slot_bytes(
 
 def quantized_token_bytes(
     shape, dtype, bits: int, group_size: int, value_group: int, extra_per_token: float = 0.0, *,
-    scale_dtype: torch.dtype | None = None, key_dim: int | None = None,
+    scale_dtype: torch.dtype | None = None, key_dim: int | None = None, key_bits: int | None = None,
 ) -> float:
     """Amortised bytes of one token in a quantized tier per batch row (all KV heads): codes, its share of the key
     groups' scale and zero, its values' scales and zeros, and ``extra_per_token`` (positions, records)."""
     e = _itemsize(scale_dtype or dtype)
     h, dk, dv = shape.num_kv_heads, shape.head_dim if key_dim is None else key_dim, shape.value_dim
-    return h * ((dk + dv) * bits / 8 + 2 * e * (dk / group_size + dv / value_group)) + extra_per_token
+    kb = bits if key_bits is None else key_bits
+    return h * ((dk * kb + dv * bits) / 8 + 2 * e * (dk / group_size + dv / value_group)) + extra_per_token
 
 
 class QuantizedTier(ExactTier):
@@ -154,7 +158,8 @@ class QuantizedTier(ExactTier):
     ``attention_output`` and both in ``gather``, and a ``random``
     rotation's matrix is held (and counted) with the tier. Such tiers leave the fused kernel (``kernel_data`` None).
     Tiers of one layer may share a codec (``quantized_prune``'s levels): one of them holds and counts its tensors,
-    the others pass ``holds_codec_tensors=False``.
+    the others pass ``holds_codec_tensors=False``. ``key_bits`` (default ``bits``) stores the keys at other bits
+    than the values (``quantized_prune``'s ``key_bits`` and ``layer_key_bits``).
     """
 
     _tensor_names = (
@@ -163,10 +168,11 @@ class QuantizedTier(ExactTier):
 
     def __init__(
         self, bits: int, group_size: int, value_group: int, dtype: torch.dtype, label: str, name: str,
-        codec: TierCodec | None = None, holds_codec_tensors: bool = True,
+        codec: TierCodec | None = None, holds_codec_tensors: bool = True, key_bits: int | None = None,
     ):
         self.name = name
-        self.bits = bits
+        self.bits = bits  # the values'
+        self.key_bits = bits if key_bits is None else key_bits
         self.group_size = group_size
         self.value_group = value_group
         self.dtype = dtype
@@ -174,6 +180,7 @@ class QuantizedTier(ExactTier):
         self.codec = codec or TierCodec()
         # normal-float levels exist for 2-4 bits; an 8-bit level sharing a codec with lower ones stays uniform
         self.levels = self.codec.levels if bits <= 4 else "uniform"
+        self.key_levels = self.codec.levels if self.key_bits <= 4 else "uniform"
         self.holds_codec_tensors = holds_codec_tensors
         self.token_data = {}
         self.head_dim: int | None = None  # full key width, once key channels are pruned
@@ -191,7 +198,7 @@ class QuantizedTier(ExactTier):
         shape = (b, h, self.num_tokens, d)
         q = (self.key_codes, self.key_scale, self.key_zero)
         return QuantizedGroups(
-            *q, self.bits, self.group_size, "token", shape, self.levels, self._data_dtype("token")
+            *q, self.key_bits, self.group_size, "token", shape, self.key_levels, self._data_dtype("token")
         )
 
     def value_groups(self) -> QuantizedGroups:
@@ -206,13 +213,14 @@ class QuantizedTier(ExactTier):
     def _quantize(self, x: torch.Tensor, group: int, axis: str, what: str) -> QuantizedGroups:
         data = self._data_dtype(axis)
         scale_dtype = self.codec.scale_dtype or (self.dtype if data != self.dtype else None)
+        bits, levels = (self.key_bits, self.key_levels) if axis == "token" else (self.bits, self.levels)
         try:
             return quantize(
-                x.to(data).contiguous(), self.bits, group, axis, levels=self.levels, scale_dtype=scale_dtype,
+                x.to(data).contiguous(), bits, group, axis, levels=levels, scale_dtype=scale_dtype,
                 clip=self.codec.value_clip if axis == "channel" else (),
             )
         except ValueError as err:
-            raise QuantizationError(f"{self.label}: cannot quantize {what} to {self.bits} bits: {err}") from None
+            raise QuantizationError(f"{self.label}: cannot quantize {what} to {bits} bits: {err}") from None
 
     def memory_bytes(self) -> int:
         held = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
@@ -240,7 +248,7 @@ class QuantizedTier(ExactTier):
     def kernel_data(self):
         if self.key_index is not None:  # the fused kernel reads every key channel
             return None
-        if not self.codec.plain or self.bits not in PACK_FACTOR:  # it reads uniform 2/4/8-bit codes, model scales
+        if not self.codec.plain or {self.bits, self.key_bits} - set(PACK_FACTOR):  # uniform 2/4/8-bit codes, model scales
             return None
         return QuantTierData(self.key_groups(), self.value_groups(), self.positions)
 
@@ -270,7 +278,7 @@ class QuantizedTier(ExactTier):
         codes_per_unit, unit_bytes = PACK_UNIT[self.bits]
         dv = self.value_codes.shape[-1] * codes_per_unit // unit_bytes
         e = self.key_scale.element_size()
-        codes = h * (dk + dv) * self.bits / 8
+        codes = h * (dk * self.key_bits + dv * self.bits) / 8
         scales = h * 2 * e * (dk / self.group_size + dv / self.value_group)
         records = sum(v.shape[1] * v.element_size() for v in self.token_data.values())
         return codes + scales + self.positions.shape[1] * self.positions.element_size() + records
@@ -365,7 +373,7 @@ class QuantizedTier(ExactTier):
         group_src = src[..., ::g] // g  # [B, W, T_new / G]
         qk = self.key_groups()
         h, d = qk.packed.shape[1], qk.packed.shape[-1]
-        per = packed_length(g, self.bits)  # bytes of one key group along the token axis
+        per = packed_length(g, self.key_bits)  # bytes of one key group along the token axis
         gs = group_src.expand(-1, h, -1)
         codes = qk.packed.reshape(b, h, -1, per, d).gather(2, gs[..., None, None].expand(-1, -1, -1, per, d))
         codes = codes.reshape(b, h, -1, d)

@@ -25,7 +25,9 @@ Two forms:
 by layer, after KVTuner, Li et al., arXiv 2502.04420: layers differ in how much their KV error costs). With a budget,
 each layer's share of the stack's total follows what its quantized tokens cost (``layer_scale``: a 4-bit layer
 among 3-bit ones may hold more bytes, the others less; the shares sum to the number of layers, so the total is the
-budget's).
+budget's). ``key_bits`` on a quantized tier stores its keys at other bits than its values, and ``layer_key_bits:
+{layer index: bits}`` does so for the one quantized level in the layers listed (after ``layer_bits``; shares as
+above): on SmolLM2 the keys' 3-bit error, not the values', carries most of the KL, and it sits in a few layers.
 
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
 quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
@@ -77,6 +79,9 @@ class PrecisionTier(BaseModel):
     bits: Literal[2, 3, 4, 8, 16] = Field(
         description="Bits per element (16: the full-precision tier; 3: 8 codes in 3 bytes, group sizes multiples of 8)."
     )
+    key_bits: Literal[2, 3, 4, 8] | None = Field(
+        default=None, description="The keys' bits when they differ from the values' (default: bits; quantized levels only)."
+    )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
     fill: bool = Field(
@@ -91,7 +96,19 @@ class PrecisionTier(BaseModel):
             raise ValueError(
                 f"a tier sets exactly one of 'fraction', 'rest: true' or 'fill: true'; got {self.model_dump()}"
             )
+        if self.bits == 16 and self.key_bits is not None:
+            raise ValueError(f"key_bits={self.key_bits} on a 16-bit tier: key_bits is for quantized tiers (bits 2-8)")
         return self
+
+    @property
+    def keys(self) -> int:
+        """The keys' bits."""
+        return self.bits if self.key_bits is None else self.key_bits
+
+    @property
+    def tier_name(self) -> str:
+        """The name of the layer tier that holds this level (``quantized3``; ``quantized-k4v3`` with other key bits)."""
+        return f"quantized{self.bits}" if self.keys == self.bits else f"quantized-k{self.keys}v{self.bits}"
 
 
 @register_stage
@@ -120,6 +137,11 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         description="{layer index: bits}: the quantized level's bits in those layers (one quantized level; the other "
         "layers keep its bits). With a budget, each layer's share follows what its quantized tokens cost.",
     )
+    layer_key_bits: dict[int, Literal[2, 3, 4, 8]] | None = Field(
+        default=None,
+        description="{layer index: bits}: the keys' bits of the quantized level in those layers (after layer_bits; "
+        "the values keep theirs). Shares as for layer_bits.",
+    )
 
     def inactive_options(self) -> set[str]:
         return super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
@@ -142,15 +164,32 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             return []
         else:
             levels = [PrecisionTier(bits=16, fraction=1.0), PrecisionTier(bits=self.bits, rest=True)]
+        update = {}
         bits = (self.layer_bits or {}).get(layer_idx)
-        if bits is None:
+        if bits is not None:  # keys and values
+            update = {"bits": bits, "key_bits": None}
+        key_bits = (self.layer_key_bits or {}).get(layer_idx)
+        if key_bits is not None:
+            update["key_bits"] = key_bits
+        if not update:
             return levels
-        return [level if level.bits == 16 else level.model_copy(update={"bits": bits}) for level in levels]
+        return [level if level.bits == 16 else level.model_copy(update=update) for level in levels]
+
+    def bit_widths(self) -> tuple[set[int], set[int]]:
+        """(the keys' widths, the values' widths) of the quantized levels in any layer."""
+        quantized = [level for level in self.levels() if level.bits != 16]
+        by_layer = set((self.layer_bits or {}).values())
+        keys = {level.keys for level in quantized} | by_layer | set((self.layer_key_bits or {}).values())
+        return keys, {level.bits for level in quantized} | by_layer
 
     def quantized_bits(self) -> list[int]:
-        """Widths of the quantized levels in any layer (the precision options act on these)."""
+        """Widths of the quantized levels' keys and values in any layer (the precision options act on these)."""
         widths = [level.bits for level in self.levels() if level.bits != 16]
-        return widths + sorted(set((self.layer_bits or {}).values()) - set(widths))
+        return widths + sorted(set.union(*self.bit_widths()) - set(widths))
+
+    def _per_layer(self) -> dict[str, dict[int, int]]:
+        """The per-layer bit fields that are set: {field name: {layer: bits}}."""
+        return {n: v for n, v in (("layer_bits", self.layer_bits), ("layer_key_bits", self.layer_key_bits)) if v}
 
     def validate_with(self, stack_budget) -> None:
         if (self.tiers is None) == (self.bits is None):
@@ -180,21 +219,24 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 raise spec_error(
                     "tiers.fraction", total, "fractions summing to 1 (or a last tier with rest: true) with a budget"
                 )
-        if self.layer_bits:
+        for name, per_layer in self._per_layer().items():
             quantized = [level.bits for level in self.levels() if level.bits != 16]
             if len(quantized) != 1:
                 raise spec_error(
-                    "layer_bits", self.layer_bits,
+                    name, per_layer,
                     f"none with {len(quantized)} quantized levels (tiers bits {quantized}): per-layer bits replace "
                     "the bits of a stage's one quantized level",
                 )
-            if min(self.layer_bits) < 0:
-                raise spec_error("layer_bits", self.layer_bits, "layer indices from 0")
+            if min(per_layer) < 0:
+                raise spec_error(name, per_layer, "layer indices from 0")
         value_group = self.value_group_size
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
-        for bits in self.quantized_bits():
-            check_quant_params(bits, self.group_size, value_group, None)
+        keys, values = self.bit_widths()
+        for bits in keys:
+            check_quant_params(bits, self.group_size, None, None)
+        for bits in values:
+            check_quant_params(bits, None, value_group, None)
         self.check_quant_options(self.quantized_bits())
 
     def validate_in_stack(self, position, stages) -> None:
@@ -204,14 +246,14 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
         value_group = value_group_for(self.value_group_size, self.group_size, shape)
-        for bits in self.quantized_bits():
+        for bits in self.bit_widths()[1]:
             check_quant_shape(shape, bits, value_group)
         self.check_quant_options_for(shape, self.quantized_bits())
-        if self.layer_bits and max(self.layer_bits) >= shape.num_layers:
-            raise spec_error(
-                "layer_bits", self.layer_bits, f"layer indices 0..{shape.num_layers - 1} (the model has "
-                f"{shape.num_layers} layers)",
-            )
+        for name, per_layer in self._per_layer().items():
+            if max(per_layer) >= shape.num_layers:
+                raise spec_error(
+                    name, per_layer, f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)"
+                )
 
     # --------------------------------------------------------------------------------------- sizing
     @property
@@ -228,11 +270,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         return QuantOptions.fixed_bytes(self, shape) if self.quantized_bits() else 0
 
     def layer_scale(self, layer_idx: int, shape) -> float:
-        """Without ``layer_bits`` 1; with it, the layer's quantized token cost over the mean of all layers'."""
-        if not self.layer_bits:
+        """Without per-layer bits 1; with them, the layer's quantized token cost over the mean of all layers'."""
+        per_layer = self._per_layer()
+        if not per_layer:
             return 1.0
         cost = lambda i: self.level_costs(shape, shape.dtype, i)[-1]  # noqa: E731  (the one quantized level)
-        n, listed = shape.num_layers, [i for i in self.layer_bits if i < shape.num_layers]
+        n = shape.num_layers
+        listed = sorted({i for layers in per_layer.values() for i in layers if i < n})
         total = cost(None) * (n - len(listed)) + sum(cost(i) for i in listed)
         return cost(layer_idx) * n / total
 
@@ -245,7 +289,9 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         sdt = self.scale_torch_dtype()
         return [
             full + extra if level.bits == 16
-            else quantized_token_bytes(shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=sdt)
+            else quantized_token_bytes(
+                shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=sdt, key_bits=level.keys
+            )
             for level in self.levels(layer_idx)
         ]
 
@@ -268,7 +314,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             if level.bits == 16:
                 costs.append(lambda n, c=full: n * c)
             else:  # whole key groups, and the holes of up to one more before the tier merges them
-                slots = self.slot_bytes(shape, dtype, level.bits, extra)
+                slots = self.slot_bytes(shape, dtype, level, extra)
                 costs.append(lambda n, f=slots, g=self.group_size: f(n + g - 1) if n else 0)
         slack = self.period - 1 if self.keeps_budget() else 0  # the short form's budget is a selection rule
         return LevelSplit(
@@ -280,11 +326,12 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
         )
 
-    def slot_bytes(self, shape, dtype, bits: int, extra: int):
+    def slot_bytes(self, shape, dtype, level: PrecisionTier, extra: int):
         """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options)."""
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         return quantized_slot_bytes(
-            shape, dtype, bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype()
+            shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype(),
+            key_bits=level.keys,
         )
 
     def level_counts(
@@ -312,8 +359,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 if level.bits == 16:
                     full.tokens = min(full.tokens, count + self.period - 1)
                 else:
-                    cost = self.slot_bytes(shape, plan.dtype, level.bits, extra)
-                    layer.tiers.append(TierPlan(f"quantized{level.bits}", count, cost))
+                    cost = self.slot_bytes(shape, plan.dtype, level, extra)
+                    layer.tiers.append(TierPlan(level.tier_name, count, cost))
                     quantized += count
             if all(level.bits != 16 for level in levels):
                 full.tokens = min(full.tokens, self.period - 1)
@@ -464,7 +511,8 @@ class QuantizedPruneStage(Stage):
 
     def split_for(self, layer) -> LevelSplit:
         # once per dtype held (a model cast after apply holds another dtype) and per layer bits
-        key = (layer.full.keys.dtype, (self.spec.layer_bits or {}).get(layer.layer_idx))
+        i, spec = layer.layer_idx, self.spec
+        key = (layer.full.keys.dtype, (spec.layer_bits or {}).get(i), (spec.layer_key_bits or {}).get(i))
         if key not in self._splits:
             self._splits[key] = self.spec.level_split(
                 self.shape, key[0], self.stack_budget, layer.reference, layer.layer_idx
@@ -481,7 +529,7 @@ class QuantizedPruneStage(Stage):
                 continue
             tier = QuantizedTier(
                 level.bits, self.spec.group_size, self.value_group, self.shape.dtype,
-                label=f"layer {layer.layer_idx}, quantized_prune", name=f"quantized{level.bits}",
+                label=f"layer {layer.layer_idx}, quantized_prune", name=level.tier_name, key_bits=level.keys,
                 codec=codec, holds_codec_tensors=holder,
             )
             holder = False
