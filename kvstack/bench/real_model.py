@@ -15,7 +15,7 @@
   bytes) over every decode step; decode time per token (the model calls only) over that of the full
   ``DynamicCache`` in the same run. The KL's spread: the standard error of the per-passage mean (``kl_se``) and the
   share of it carried by each passage's 8 worst positions (``kl_worst_share``). On SmolLM2 at a quarter of the cache
-  that share is about half: a few positions where the compressed run's distribution moves a lot decide the figure, so
+  that share is a third to a half: a few positions where the compressed run's distribution moves a lot decide the figure, so
   passages differ by 2x and two stacks within about two standard errors are not told apart.
 
 ``needle`` (``kvstack bench --protocol needle``), per task of ``smollm2-needle-dev.jsonl``: the user turn
