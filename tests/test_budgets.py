@@ -93,8 +93,8 @@ def test_memory_never_exceeds_the_budget(scenario):
 @st.composite
 def quantized_prune_options(draw):
     """A quantized_prune stack with the precision options (3 and 2 bits, rotations, pre-RoPE keys, nf levels, cheaper
-    scales, other bits in one layer) under a random budget: the level costs it sizes with must be exact for every
-    option, and the layers' shares must sum to the budget."""
+    scales, other bits in one layer, transform-coded keys at any width) under a random budget: the level costs it
+    sizes with must be exact for every option, and the layers' shares must sum to the budget."""
     dtype = draw(st.sampled_from(DTYPES))
     cheaper = ["model", "float8_e4m3fn"] + (["float16", "bfloat16"] if dtype == torch.float32 else [])
     tiers = draw(st.sampled_from([
@@ -112,12 +112,16 @@ def quantized_prune_options(draw):
         "codebook": draw(st.sampled_from(["uniform", "nf"])), "scale_dtype": draw(st.sampled_from(cheaper)),
         "every": draw(st.sampled_from([None, 1, 4])),
     }
+    transform = draw(st.booleans())
+    if transform:  # keys transform-coded (pre-RoPE; values stay KIVI's), every head the same tokens
+        stage.update(coding="transform", key_rope="pre", head_wise=False)
+    key_widths = st.integers(1, 8) if transform else st.sampled_from([2, 3, 4, 8])
     if draw(st.booleans()):  # keys at other bits than the values on the last level
-        tiers[-1] = {**tiers[-1], "key_bits": draw(st.sampled_from([2, 3, 4, 8]))}
+        tiers[-1] = {**tiers[-1], "key_bits": draw(key_widths)}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):  # mixed precision by layer
         stage["layer_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 4, 8]))}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):
-        stage["layer_key_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 3, 4, 8]))}
+        stage["layer_key_bits"] = {draw(st.integers(0, 1)): draw(key_widths)}
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
     else:

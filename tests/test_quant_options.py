@@ -14,6 +14,7 @@ import torch
 from archs import ARCHS, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stepping import run
 
 import kvstack
 from kvstack.kernels.quant_pack import dequantize
@@ -48,14 +49,6 @@ def stage(bits=3, group_size=8, residual=8, value_group_size=None, **options) ->
     if value_group_size is not None:
         st_["value_group_size"] = value_group_size
     return {"name": "kivi-options", "stages": [st_]}
-
-
-def run(model, spec, ids, prefill):
-    with kvstack.applied(model, spec), torch.no_grad():
-        cache = kvstack.cache_for(model)
-        logits = [model(ids[:, :prefill], cache=cache).logits]
-        logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])]
-    return cache, torch.cat(logits, 1)
 
 
 def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4, scale_item=None, rotation=False):

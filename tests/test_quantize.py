@@ -11,6 +11,7 @@ import torch
 from archs import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stepping import run
 
 import kvstack
 from kvstack.stages.quantize import QuantizationError, QuantizedTier
@@ -23,15 +24,6 @@ def kivi(bits=4, group_size=8, residual=8, value_group_size=None) -> dict:
     if value_group_size is not None:
         stage["value_group_size"] = value_group_size
     return {"name": "kivi", "stages": [stage]}
-
-
-def run(model, spec, ids, prefill):
-    """Prefill ``prefill`` tokens, then one token per forward; returns (cache, logits of every position)."""
-    with kvstack.applied(model, spec), torch.no_grad():
-        cache = kvstack.cache_for(model)
-        logits = [model(ids[:, :prefill], cache=cache).logits]
-        logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])]
-    return cache, torch.cat(logits, 1)
 
 
 def expected_bytes(config, seen, prefill, batch, bits, g, vg, residual, item=4):

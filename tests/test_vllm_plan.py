@@ -72,6 +72,8 @@ def test_a_quantize_stage_alone_runs_as_quantized_pages():
         ({**KIVI, "stages": [{"kind": "quantize", "bits": 16}]}, {}, "stages.0.bits=16 is not allowed in vLLM: 2, 3, "
                                                                       "4 or 8"),
         ({**KIVI, "prefill_chunk": 128}, {}, "prefill_chunk=128 is not allowed in vLLM: None"),
+        ({**KIVI, "stages": [{**KIVI["stages"][0], "coding": "transform", "key_rope": "pre"}]}, {},
+         "stages.0.coding='transform' is not allowed in vLLM yet: 'kivi'"),
         (stack(stages=[KIVI["stages"][0], stack()["stages"][0]]), {},
          "stages.0.kind='quantize' is not allowed in vLLM yet (a quantize stage runs alone or after one evict stage"),
         (stack(stages=[stack()["stages"][0], {**KIVI["stages"][0], "group_size": 64, "residual": 64}]), {},

@@ -18,9 +18,11 @@ module passes to the attention function).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import sys
 import textwrap
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -99,6 +101,9 @@ class ModelShape:
     #: the transformers config the shape was read from (None for hand-built shapes), for stages that need more than
     #: these dimensions (pre-RoPE key quantization reads the RoPE frequencies); not part of equality
     config: Any = field(default=None, compare=False, repr=False)
+    #: a weak reference to the model the shape was read from (None for shapes from a config), for stages that derive
+    #: constants from its weights (transform coding's bases); not part of equality
+    model: Any = field(default=None, compare=False, repr=False)
 
     @property
     def value_dim(self) -> int:
@@ -122,8 +127,9 @@ class ModelShape:
         modules = caching_attention_modules(model)
         head_dims = {m.head_dim for m in modules.values() if isinstance(getattr(m, "head_dim", None), int)}
         windows = {i: m.sliding_window for i, m in modules.items() if _is_window(getattr(m, "sliding_window", 0))}
-        return cls._build(model.config, dtype, head_dim=head_dims.pop() if len(head_dims) == 1 else None,
-                          module_windows=windows)
+        shape = cls._build(model.config, dtype, head_dim=head_dims.pop() if len(head_dims) == 1 else None,
+                           module_windows=windows)
+        return dataclasses.replace(shape, model=weakref.ref(model))
 
     @classmethod
     def _build(cls, config, dtype, head_dim: int | None = None, module_windows: dict | None = None) -> "ModelShape":

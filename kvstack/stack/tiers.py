@@ -178,6 +178,14 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
 
+def bytewise(fn, t: torch.Tensor, *args):
+    """``fn(t, *args)`` for an index op (gather); float8 tensors move as their bytes (torch has no float8 gather on
+    the CPU)."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return fn(t.view(torch.uint8), *args).view(t.dtype)
+    return fn(t, *args)
+
+
 def select_positions(positions: torch.Tensor, index: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
     if index.shape[1] != positions.shape[1]:
         positions = positions.expand(-1, index.shape[1], -1)

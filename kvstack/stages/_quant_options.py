@@ -10,6 +10,11 @@ Spec side: :class:`QuantOptions`, a mixin of pydantic fields and their checks �
   are rotated back by their stored positions, quantized, and RoPE is re-applied per block on dequantization.
 * ``value_clip`` — each value group is clamped to the fraction of its range (1, 0.9, 0.8 or 0.7, centred) whose
   quantization has the least squared error (a clip search; keys are never clipped: their extremes set the logits).
+* ``coding: transform`` — instead of KIVI's per-channel key groups, each token's keys (pre-RoPE) of all KV heads are
+  coded as one vector in a basis of the layer's ``k_proj`` weight, with bits allocated per component by variance and
+  Lloyd-Max levels per component (``kvstack/stages/_transform_tier.py``, ``kvstack/kernels/transform_code.py``;
+  KVTC, arXiv 2511.01815): no scale or zero point per key group. Values stay KIVI's (per token, with the options
+  below). It needs ``key_rope: pre``.
 * ``codebook`` (``uniform`` | ``nf``: the quantization levels) and ``scale_dtype`` (``model`` | ``float16`` |
   ``bfloat16`` | ``float8_e4m3fn``): the levels and the format of scales/zero points
   (``kvstack/kernels/quant_pack.py``). (Named ``codebook``, not ``levels``: ``quantized_prune`` has a ``levels()``
@@ -29,7 +34,9 @@ from pydantic import BaseModel, Field
 
 from kvstack.kernels.rope import apply_rope, rope_angles
 from kvstack.kernels.rotation import fwht, is_power_of_two, random_orthogonal
+from kvstack.kernels.transform_code import BLOCK
 from kvstack.stack.base import spec_error
+from kvstack.stack.errors import KVStackError
 
 #: spec name -> storage format of scales and zero points (None: the model dtype)
 SCALE_DTYPES: dict[str, torch.dtype | None] = {
@@ -49,6 +56,19 @@ VALUE_CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7)
 ROTATION_ITEMSIZE = 4
 
 
+class QuantizationError(KVStackError, ValueError):
+    """A tensor could not be quantized (NaN/Inf in the keys or values, or a range beyond float32)."""
+
+
+def check_transform_shape(shape) -> None:
+    if (shape.num_kv_heads * shape.head_dim) % BLOCK:
+        raise spec_error(
+            "coding", "transform",
+            f"'kivi' for this model: num_kv_heads x head_dim = {shape.num_kv_heads * shape.head_dim} must be a "
+            f"multiple of {BLOCK} (key components share a width in blocks of {BLOCK})",
+        )
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -57,6 +77,13 @@ class QuantOptions(BaseModel):
     """Spec fields of the precision options of quantized tiers (``quantize``; ``quantized_prune`` when it mixes this
     in). Defaults are KIVI as before: no rotation, post-RoPE keys, uniform levels, scales in the model dtype."""
 
+    coding: Literal["kivi", "transform"] = Field(
+        default="kivi",
+        description="How keys are stored. kivi: per-channel groups of group_size tokens, a scale and zero point each; "
+        "transform: each token's pre-RoPE keys of all KV heads coded as one vector in a basis of the layer's k_proj "
+        "weight, key_bits per element on average allocated per component by variance, Lloyd-Max levels per "
+        "component, no scales (needs key_rope: pre). Values are KIVI's per-token groups either way.",
+    )
     rotate: Literal["none", "hadamard", "random"] = Field(
         default="none",
         description="Rotate keys and values along head_dim by an orthogonal matrix before quantization (outliers "
@@ -94,11 +121,20 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
+            return {"coding", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
         return set() if self.rotate == "random" else {"rotate_seed"}
+
+    @property
+    def transform_coded(self) -> bool:
+        return self.coding == "transform"
 
     def check_quant_options(self, bits: list[int]) -> None:
         """Shape-independent checks (``bits``: the quantized widths the stage stores)."""
+        if self.transform_coded and bits and self.key_rope != "pre":
+            raise spec_error(
+                "key_rope", self.key_rope,
+                "'pre' with coding: transform (keys are coded before RoPE, in the k_proj weight's basis)",
+            )
         if self.codebook == "nf" and bits and all(b == 8 for b in bits):
             raise spec_error(
                 "codebook", "nf", "uniform with bits=8 (normal-float levels are for bits 2, 3 or 4; an 8-bit level "
@@ -109,6 +145,8 @@ class QuantOptions(BaseModel):
         """Checks against the model (only when some level is quantized)."""
         if all(b == 16 for b in bits):
             return
+        if self.transform_coded:
+            check_transform_shape(shape)
         if self.scale_dtype != "model":
             sdt = SCALE_DTYPES[self.scale_dtype]
             if _itemsize(sdt) >= _itemsize(shape.dtype):
@@ -130,6 +168,15 @@ class QuantOptions(BaseModel):
                 rope_frequencies(shape, layer)  # raises with the reason
 
     def check_quant_options_in_stack(self, stages) -> None:
+        if self.transform_coded:
+            head_wise = [s for s in stages if getattr(s, "is_head_wise", False)]
+            if head_wise:
+                raise spec_error(
+                    "coding", "transform",
+                    f"'kivi' in a stack with a head-wise selection ({head_wise[0].kind} "
+                    f"scorer={head_wise[0].scorer!r}): a token's keys of every KV head are coded together, so all "
+                    "heads must keep the same tokens (set head_wise: false)",
+                )
         if (self.rotate != "none" or self.key_rope == "pre") and any(s.kind == "channel_prune" for s in stages):
             field, value = ("rotate", self.rotate) if self.rotate != "none" else ("key_rope", self.key_rope)
             raise spec_error(

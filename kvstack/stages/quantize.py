@@ -46,9 +46,10 @@ from kvstack.stack.base import Stage, StageSpec, spec_error
 from kvstack.stack.errors import KVStackError
 from kvstack.stack.memory import POSITION_BYTES, TierPlan, _itemsize
 from kvstack.stack.registry import register_stage
-from kvstack.stack.tiers import EMPTY, ExactTier, gather_records, gather_tokens, take_channels, widen_channels
+from kvstack.stack.tiers import EMPTY, ExactTier, bytewise, gather_records, gather_tokens, take_channels, widen_channels
 
-from ._quant_options import QuantOptions, TierCodec
+from ._quant_options import QuantizationError, QuantOptions, TierCodec
+from ._transform_tier import coder_bytes, transform_tier, transform_token_bytes
 
 __all__ = [
     "QuantOptions", "QuantizationError", "QuantizeSpec", "QuantizedTier", "TierCodec", "check_quant_params",
@@ -56,10 +57,6 @@ __all__ = [
 ]
 
 QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class QuantizationError(KVStackError, ValueError):
-    """A tensor could not be quantized (NaN/Inf in the keys or values, or a range beyond float32)."""
 
 
 def _packing(bits: int) -> tuple[int, str]:
@@ -268,8 +265,8 @@ class QuantizedTier(ExactTier):
             raise KVStackError(f"{self.label}: key channels are already pruned")
         if self.key_codes is not None:  # per-channel groups: whole columns of codes, scales and zeros go
             self.key_codes = take_channels(self.key_codes, index).contiguous()
-            self.key_scale = _bytewise(take_channels, self.key_scale, index).contiguous()
-            self.key_zero = _bytewise(take_channels, self.key_zero, index).contiguous()
+            self.key_scale = bytewise(take_channels, self.key_scale, index).contiguous()
+            self.key_zero = bytewise(take_channels, self.key_zero, index).contiguous()
         self.key_index, self.head_dim = index, head_dim
         return True
 
@@ -377,8 +374,8 @@ class QuantizedTier(ExactTier):
         gs = group_src.expand(-1, h, -1)
         codes = qk.packed.reshape(b, h, -1, per, d).gather(2, gs[..., None, None].expand(-1, -1, -1, per, d))
         codes = codes.reshape(b, h, -1, d)
-        scale = _bytewise(torch.gather, qk.scale, 2, gs[..., None].expand(-1, -1, -1, d))
-        zero = _bytewise(torch.gather, qk.zero, 2, gs[..., None].expand(-1, -1, -1, d))
+        scale = bytewise(torch.gather, qk.scale, 2, gs[..., None].expand(-1, -1, -1, d))
+        zero = bytewise(torch.gather, qk.zero, 2, gs[..., None].expand(-1, -1, -1, d))
         if merge and bool(n_merged.any()):
             last = src.gather(-1, (n_whole + n_merged - 1).clamp(0, max(t_new - 1, 0)))
             key_src = torch.where(in_merged | in_whole, src, last)  # holes repeat a merged key (no wider range)
@@ -397,19 +394,11 @@ class QuantizedTier(ExactTier):
         self.key_codes, self.key_scale, self.key_zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
 
         self.value_codes = gather_tokens(self.value_codes, src)
-        self.value_scale = _bytewise(gather_tokens, self.value_scale, src)
-        self.value_zero = _bytewise(gather_tokens, self.value_zero, src)
+        self.value_scale = bytewise(gather_tokens, self.value_scale, src)
+        self.value_zero = bytewise(gather_tokens, self.value_zero, src)
         kept_pos = self.positions.expand(-1, width, -1).gather(-1, src)
         self.positions = torch.where(new_valid, kept_pos, torch.full_like(kept_pos, EMPTY))
         self.token_data = {k: gather_records(v, src) for k, v in self.token_data.items()}
-
-
-def _bytewise(fn, t: torch.Tensor, *args):
-    """``fn(t, *args)`` for an index op (gather); float8 tensors move as their bytes (torch has no float8 gather on
-    the CPU)."""
-    if t.is_floating_point() and t.element_size() == 1:
-        return fn(t.view(torch.uint8), *args).view(t.dtype)
-    return fn(t, *args)
 
 
 def value_group_for(value_group, group_size: int, shape) -> int:
@@ -445,7 +434,11 @@ class QuantizeSpec(StageSpec, QuantOptions):
         if isinstance(self.value_group_size, int) and self.value_group_size < 1:
             raise spec_error("value_group_size", self.value_group_size, "a positive int or 'head_dim'")
         if self.bits != 16:
-            check_quant_params(self.bits, self.group_size, self.value_group_size, self.residual)
+            if self.transform_coded:  # no key groups: group_size only sets how many tokens leave the residual at once
+                check_quant_params(self.bits, None, self.value_group_size, None)
+                check_quant_params(8, self.group_size, None, self.residual)
+            else:
+                check_quant_params(self.bits, self.group_size, self.value_group_size, self.residual)
             self.check_quant_options([self.bits])
 
     def validate_in_stack(self, position, stages) -> None:
@@ -475,21 +468,28 @@ class QuantizeSpec(StageSpec, QuantOptions):
                 )
 
             cost = cost_without(0)
+            if self.transform_coded:  # every part per token: no key groups, no holes
+                scale_bytes = _itemsize(sdt or plan.dtype)
+                per_token = round(transform_token_bytes(shape, self.bits, self.bits, vg, scale_bytes, extra))
+                cost = lambda n, c=per_token: n * c  # noqa: E731
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
                 residual = kivi_residual(plan.seq_len, plan.prefill_len, r, g, window)
             else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens,
-                # and the quantized tier may hold up to g - 1 holes (one more group) before it merges them
+                # and a KIVI tier may hold up to g - 1 holes (one more group) before it merges them
                 c = full.tokens
-                cost = lambda n, exact=cost: exact(n + g - 1) if n else 0  # noqa: E731
+                if not self.transform_coded:
+                    cost = lambda n, exact=cost: exact(n + g - 1) if n else 0  # noqa: E731
                 residual = max(range(min(c, r + g - 1) + 1), key=lambda x: full.bytes_for(x) + cost(c - x))
             quantized = full.tokens - residual
             full.tokens = residual
             # a tier with transformed keys keeps every key channel (keep_key_channels refuses)
             narrowable = None if self.rotate != "none" or self.key_rope == "pre" else cost_without
             layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
-            if quantized:  # a random rotation's matrix exists from the first quantized token on
-                layer.fixed_bytes += self.fixed_bytes(shape)
+            if quantized:  # a random rotation's matrix, or the transform coders, exist from the first quantized token
+                layer.fixed_bytes += self.fixed_bytes(shape) + (
+                    coder_bytes(shape, self.bits, plan.dtype) if self.transform_coded else 0
+                )
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
         return None if self.bits == 16 else QuantizeStage(self, shape, stack_budget)
@@ -515,11 +515,17 @@ class QuantizeStage(Stage):
         self.key = f"quantize:{id(self)}"
 
     def init_layer(self, layer) -> None:
-        tier = QuantizedTier(
-            self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype,
-            label=f"layer {layer.layer_idx}, quantize", name="quantized",
-            codec=self.spec.codec(self.shape, layer.layer_idx),
-        )
+        label = f"layer {layer.layer_idx}, quantize"
+        codec = self.spec.codec(self.shape, layer.layer_idx)
+        if self.spec.transform_coded:
+            tier = transform_tier(
+                self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label, "quantized", codec
+            )
+        else:
+            tier = QuantizedTier(
+                self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
+                name="quantized", codec=codec,
+            )
         layer.tiers.append(tier)
         layer.scratch[self.key] = tier
 

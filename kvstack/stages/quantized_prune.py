@@ -56,12 +56,14 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from ._quant_options import QuantOptions
+from ._transform_tier import coder_bytes, transform_tier, transform_token_bytes
 from .quantize import (
     QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
 )
@@ -79,8 +81,10 @@ class PrecisionTier(BaseModel):
     bits: Literal[2, 3, 4, 8, 16] = Field(
         description="Bits per element (16: the full-precision tier; 3: 8 codes in 3 bytes, group sizes multiples of 8)."
     )
-    key_bits: Literal[2, 3, 4, 8] | None = Field(
-        default=None, description="The keys' bits when they differ from the values' (default: bits; quantized levels only)."
+    key_bits: Literal[1, 2, 3, 4, 5, 6, 7, 8] | None = Field(
+        default=None,
+        description="The keys' bits when they differ from the values' (default: bits; quantized levels only): 2, 3, 4 "
+        "or 8 with coding: kivi, 1 to 8 (the average per element) with coding: transform.",
     )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
@@ -137,7 +141,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         description="{layer index: bits}: the quantized level's bits in those layers (one quantized level; the other "
         "layers keep its bits). With a budget, each layer's share follows what its quantized tokens cost.",
     )
-    layer_key_bits: dict[int, Literal[2, 3, 4, 8]] | None = Field(
+    layer_key_bits: dict[int, Literal[1, 2, 3, 4, 5, 6, 7, 8]] | None = Field(
         default=None,
         description="{layer index: bits}: the keys' bits of the quantized level in those layers (after layer_bits; "
         "the values keep theirs). Shares as for layer_bits.",
@@ -233,8 +237,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
         keys, values = self.bit_widths()
-        for bits in keys:
-            check_quant_params(bits, self.group_size, None, None)
+        if not self.transform_coded:  # transform-coded keys have no groups to pack, and any width
+            odd = sorted(keys - set(PACK_UNIT))
+            if odd:
+                field = "tiers.key_bits" if any(t.key_bits in odd for t in self.tiers or []) else "layer_key_bits"
+                raise spec_error(field, odd[0], "2, 3, 4 or 8 with coding: kivi (1 to 8 with coding: transform)")
+            for bits in keys:
+                check_quant_params(bits, self.group_size, None, None)
         for bits in values:
             check_quant_params(bits, None, value_group, None)
         self.check_quant_options(self.quantized_bits())
@@ -265,9 +274,16 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         pos = full_tier_bytes(shape, shape.dtype, positions_per_head=self.is_head_wise, key_dim=0, value_dim=0)(1)
         return pos + get_scorer(self.scorer)(self, shape).record_bytes_per_token(shape)
 
-    def fixed_bytes(self, shape) -> int:
-        """Bytes per layer besides the tokens: the codec's (one ``random`` rotation matrix, shared by the levels)."""
-        return QuantOptions.fixed_bytes(self, shape) if self.quantized_bits() else 0
+    def fixed_bytes(self, shape, dtype=None, layer_idx: int | None = None) -> int:
+        """Bytes per layer besides the tokens: the codec's (one ``random`` rotation matrix, shared by the levels), or
+        with ``coding: transform`` the coders of each quantized level of layer ``layer_idx``."""
+        if not self.quantized_bits():
+            return 0
+        coders = 0
+        if self.transform_coded:
+            coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype) for level in self.levels(layer_idx)
+                         if level.bits != 16)
+        return QuantOptions.fixed_bytes(self, shape) + coders
 
     def layer_scale(self, layer_idx: int, shape) -> float:
         """Without per-layer bits 1; with them, the layer's quantized token cost over the mean of all layers'."""
@@ -287,6 +303,9 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         extra = self.per_token_extra(shape)
         sdt = self.scale_torch_dtype()
+        if self.transform_coded:  # every part per token: the amortised cost is the exact one
+            return [full + extra if level.bits == 16 else self.slot_bytes(shape, dtype, level, extra)(1)
+                    for level in self.levels(layer_idx)]
         return [
             full + extra if level.bits == 16
             else quantized_token_bytes(
@@ -313,6 +332,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         for level in levels[: 1 if self.tiers is None else None]:  # short form: the 16-bit count is sized
             if level.bits == 16:
                 costs.append(lambda n, c=full: n * c)
+            elif self.transform_coded:  # codes per token: no groups, no holes
+                costs.append(self.slot_bytes(shape, dtype, level, extra))
             else:  # whole key groups, and the holes of up to one more before the tier merges them
                 slots = self.slot_bytes(shape, dtype, level, extra)
                 costs.append(lambda n, f=slots, g=self.group_size: f(n + g - 1) if n else 0)
@@ -322,13 +343,19 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             cumulative if self.tiers is not None else None,
             # the rotation matrix is per layer, not per row: reserving it in every row's share over-counts for
             # batches > 1, never under-counts
-            fixed=self.fixed_bytes(shape), fill=fill, group=self.group_size,
+            fixed=self.fixed_bytes(shape, dtype, layer_idx), fill=fill,
+            group=1 if self.transform_coded else self.group_size,
             scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
         )
 
     def slot_bytes(self, shape, dtype, level: PrecisionTier, extra: int):
-        """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options)."""
+        """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options;
+        with ``coding: transform`` its codes per token)."""
         vg = value_group_for(self.value_group_size, self.group_size, shape)
+        if self.transform_coded:
+            e = _itemsize(self.scale_torch_dtype() or dtype)
+            per_token = round(transform_token_bytes(shape, level.keys, level.bits, vg, e, extra))
+            return lambda n: n * per_token
         return quantized_slot_bytes(
             shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype(),
             key_bits=level.keys,
@@ -364,8 +391,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                     quantized += count
             if all(level.bits != 16 for level in levels):
                 full.tokens = min(full.tokens, self.period - 1)
-            if quantized:  # a random rotation's matrix exists from the first quantized token on
-                layer.fixed_bytes += self.fixed_bytes(shape)
+            if quantized:  # a random rotation's matrix, or the transform coders, exist from the first quantized token
+                layer.fixed_bytes += self.fixed_bytes(shape, plan.dtype, i)
 
     def build(self, shape, stack_budget) -> "QuantizedPruneStage":
         return QuantizedPruneStage(self, shape, stack_budget)
@@ -527,11 +554,15 @@ class QuantizedPruneStage(Stage):
             if level.bits == 16:
                 tiers.append(layer.full)
                 continue
-            tier = QuantizedTier(
-                level.bits, self.spec.group_size, self.value_group, self.shape.dtype,
-                label=f"layer {layer.layer_idx}, quantized_prune", name=level.tier_name, key_bits=level.keys,
-                codec=codec, holds_codec_tensors=holder,
-            )
+            label = f"layer {layer.layer_idx}, quantized_prune"
+            if self.spec.transform_coded:
+                tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
+                                      level.tier_name, codec, holder)
+            else:
+                tier = QuantizedTier(
+                    level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
+                    name=level.tier_name, key_bits=level.keys, codec=codec, holds_codec_tensors=holder,
+                )
             holder = False
             layer.tiers.append(tier)
             tiers.append(tier)

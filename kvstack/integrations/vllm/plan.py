@@ -100,6 +100,9 @@ def _check_quantize(stage: "QuantizeSpec", block_size: int, where: str) -> None:
     if stage.bits == 16:
         raise SpecError(f"{where}.bits=16 is not allowed in vLLM: 2, 3, 4 or 8 (16 quantizes nothing: leave the "
                         "stage out)")
+    if stage.coding != "kivi":
+        raise SpecError(f"{where}.coding={stage.coding!r} is not allowed in vLLM yet: 'kivi' (a page holds KIVI's key "
+                        "groups; transform-coded keys need a coder fitted per request, which the pages do not carry)")
     if block_size % stage.group_size:
         raise SpecError(f"block_size={block_size} is not allowed with {where}.group_size={stage.group_size}: a "
                         "multiple of group_size (a vLLM block holds whole key groups)")

@@ -1,0 +1,284 @@
+"""The tier of ``coding: transform`` (``quantize``, ``quantized_prune``; docs/quantization.md): transform-coded keys,
+KIVI values.
+
+Keys: each token's keys of all KV heads of a layer form one vector ``k`` [Hkv * Dk], un-rotated to pre-RoPE by its
+position and expressed in a basis of the layer's own key projection — the left singular vectors of ``k_proj``'s
+weight (:func:`kvstack.kernels.transform_code.weight_basis`), which decorrelates the heads and puts most of the
+energy in a few components. A :class:`ComponentCode` fitted on the tier's first tokens spends ``key_bits * Hkv * Dk``
+bits per token over those components by their variance, each component with its own Lloyd-Max levels (transform
+coding as in KVTC, arXiv 2511.01815, with the basis from the weights instead of a calibration set; the allocation and
+the levels adapt to each cache). No scale or zero point per token or group.
+
+Values: per token, as ``kind: quantize`` stores them (``value_group_size`` channels per group, the stage's
+``rotate`` / ``codebook`` / ``scale_dtype`` / ``value_clip``; ``kvstack/kernels/quant_pack.py``). Transform coding was
+measured on the values too and lost: on SmolLM2 its 3-bit values, with a smaller squared error than KIVI's, cost 3x
+their KL (docs/quantization.md).
+
+What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], ``value_codes`` / ``value_scale`` /
+``value_zero`` [B, Hkv, T, ...], ``positions`` int32 [B, 1, T], per-token records, and per layer the key coder's
+``order`` (int16 [C]), ``offsets`` (int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number,
+:func:`coder_levels`: float16 in 16-bit models, float32 in float32 ones), plus a ``random`` rotation's matrix. The
+key basis is the model's (a function of its weights, shared by every cache of the model like the weights) and is not
+counted. Every part is per token: removing tokens moves codes, nothing is re-coded, no slot is wasted.
+
+All heads hold the same tokens (positions [B, 1, T]): a head-wise selection is refused. The key coder is fitted on the
+valid tokens of every batch row together, and re-fitted — every held key re-coded — each time the tier has doubled
+since the last fit, until it was fitted on :data:`FIT_TOKENS` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from kvstack.kernels.quant_pack import QuantizedGroups, dequantize, quantize
+from kvstack.kernels.rope import apply_rope, rope_angles
+from kvstack.kernels.transform_code import ComponentCode, uniform_levels, weight_basis
+from kvstack.stack.errors import KVStackError, SpecError
+from kvstack.stack.memory import POSITION_BYTES
+from kvstack.stack.shape import caching_attention_modules
+from kvstack.stack.tiers import ExactTier, bytewise, gather_tokens, select_positions
+
+from ._quant_options import QuantizationError
+
+#: a coder has this many times the levels of every component at the average width (the allocation's limit)
+LEVELS_FACTOR = 1.5
+#: the key coder is re-fitted while it was fitted on fewer tokens than this and the tier has doubled since
+FIT_TOKENS = 1024
+#: float16 levels hold the coders of 16-bit models; beyond this magnitude they are refused (a clear error, not an inf)
+FLOAT16_LIMIT = 65000.0
+
+
+def coder_levels(components: int, bits: int) -> int:
+    """Levels one coder holds (a fixed count, so its bytes do not depend on the data)."""
+    return math.ceil(LEVELS_FACTOR * uniform_levels(components, bits))
+
+
+def levels_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if model_dtype == torch.float32 else torch.float16
+
+
+def coder_bytes(shape, key_bits: int, dtype: torch.dtype) -> int:
+    """Bytes per layer of one level's key coder: order int16, offsets int32, centre float32 per component, and its
+    levels."""
+    c = shape.num_kv_heads * shape.head_dim
+    item = torch.empty((), dtype=levels_dtype(dtype)).element_size()
+    return c * (2 + 4 + 4) + coder_levels(c, key_bits) * item
+
+
+# ---------------------------------------------------------------------------------------------- bases
+_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+#: model -> its caching attention modules (walking the model once per cache, not once per layer)
+_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def key_projection(module, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The key projection's weight [Hkv * D, hidden] of an attention module: its ``k_proj``, or the key rows of a
+    fused ``qkv_proj`` (Phi-3: queries, then keys, then values)."""
+    if hasattr(module, "k_proj"):
+        return module.k_proj.weight
+    fused = getattr(module, "qkv_proj", None)
+    if fused is not None:
+        rows = kv_heads * head_dim
+        q = fused.weight.shape[0] - 2 * rows
+        return fused.weight[q : q + rows]
+    raise SpecError(
+        f"coding='transform' is not allowed for {type(module).__name__}: it takes its key basis from the key "
+        "projection (k_proj or a fused qkv_proj); use coding: kivi"
+    )
+
+
+def key_basis(shape, layer_idx: int) -> torch.Tensor:
+    """The keys' basis float32 [C, C] of layer ``layer_idx``, from the weights of the model the shape was read from
+    (computed once per weight version and kept with the model's attention module)."""
+    model = shape.model() if callable(getattr(shape, "model", None)) else None
+    if model is None:
+        raise SpecError(
+            "coding='transform' needs the model's key projection weights: build the cache from a model "
+            "(kvstack.apply(model, spec), then model.generate or kvstack.cache_for(model)), not from a config"
+        )
+    modules = _MODULES.get(model)
+    if modules is None or layer_idx not in modules:
+        modules = _MODULES[model] = caching_attention_modules(model)
+    module = modules[layer_idx]
+    weight = key_projection(module, shape.num_kv_heads, shape.head_dim)
+    version = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    cached = _BASES.get(module)
+    if cached is None or cached[0] != version:
+        cached = (version, weight_basis(weight))
+        _BASES[module] = cached
+    return cached[1]
+
+
+# ---------------------------------------------------------------------------------------------- the tier
+class TransformCodedTier(ExactTier):
+    """Tokens with transform-coded keys and KIVI values (module docstring). ``codec``: the stage's
+    :class:`TierCodec` (its ``inv_freq`` un-rotates keys; its rotation, levels, scale format and clip act on values);
+    ``value_group``: channels per value group."""
+
+    _tensor_names = ("key_codes", "value_codes", "value_scale", "value_zero", "positions")
+
+    def __init__(self, key_bits: int, bits: int, value_group: int, dtype: torch.dtype, label: str, name: str,
+                 basis: torch.Tensor, codec, holds_codec_tensors: bool = True):
+        self.name, self.label = name, label
+        self.key_bits, self.bits, self.value_group, self.dtype = key_bits, bits, value_group, dtype
+        self.basis, self.codec = basis, codec
+        self.levels = codec.levels if bits <= 4 else "uniform"  # an 8-bit level stays uniform
+        self.holds_codec_tensors = holds_codec_tensors
+        self.key_code: ComponentCode | None = None
+        self.fitted_on = 0
+        self.heads: int | None = None
+        self.token_data = {}
+        for n in self._tensor_names:
+            setattr(self, n, None)
+
+    def memory_bytes(self) -> int:
+        coder = 0 if self.key_code is None else sum(t.nbytes for t in self.key_code.tensors().values())
+        rotation = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
+        return super().memory_bytes() + coder + rotation
+
+    # ------------------------------------------------------------------------------------- keys
+    def _components(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys [B, H, n, D] at positions [B, 1, n] -> pre-RoPE components [B, n, C] float32."""
+        cos, sin = rope_angles(positions.clamp_min(0), self.codec.inv_freq.to(keys.device))
+        k = apply_rope(keys.float(), cos, sin, inverse=True)
+        b, _, n, _ = k.shape
+        return k.transpose(1, 2).reshape(b, n, -1) @ self._basis(k.device)
+
+    def _basis(self, device) -> torch.Tensor:
+        if self.basis.device != device:
+            self.basis = self.basis.to(device)  # one copy, where the cache lives
+        return self.basis
+
+    def _fit(self, y: torch.Tensor, valid: torch.Tensor) -> None:
+        c = y.shape[-1]
+        code = ComponentCode.fit(y.reshape(-1, c)[valid.reshape(-1)], self.key_bits * c, coder_levels(c, self.key_bits))
+        if self.dtype != torch.float32:
+            if bool((code.levels.abs() > FLOAT16_LIMIT).any()):
+                raise QuantizationError(
+                    f"{self.label}: a key component's levels exceed float16's range (keys beyond +-{FLOAT16_LIMIT:g} "
+                    "from their mean); use a float32 model or coding: kivi"
+                )
+            code.levels = code.levels.to(levels_dtype(self.dtype))
+        self.key_code = code
+        self.fitted_on = int(valid.sum())
+
+    def _keys(self, start: int, stop: int) -> torch.Tensor:
+        """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D] float32."""
+        y = self.key_code.decode(self.key_codes[:, 0, start:stop])
+        b, n, _ = y.shape
+        k = (y @ self._basis(y.device).T).reshape(b, n, self.heads, -1).transpose(1, 2)
+        cos, sin = rope_angles(self.positions[..., start:stop].clamp_min(0), self.codec.inv_freq.to(k.device))
+        return apply_rope(k, cos, sin)
+
+    # ------------------------------------------------------------------------------------- values
+    def _value_groups(self) -> QuantizedGroups:
+        b, h, t, _ = self.value_codes.shape
+        data = torch.float32 if self.codec.values_transformed else self.dtype
+        return QuantizedGroups(
+            self.value_codes, self.value_scale, self.value_zero, self.bits, self.value_group, "channel",
+            (b, h, t, self._value_dim), self.levels, data,
+        )
+
+    def _quantize_values(self, values: torch.Tensor) -> QuantizedGroups:
+        stored = self.codec.store_values(values)
+        data = torch.float32 if self.codec.values_transformed else self.dtype
+        scale_dtype = self.codec.scale_dtype or (self.dtype if data != self.dtype else None)
+        try:
+            return quantize(stored.to(data).contiguous(), self.bits, self.value_group, "channel", levels=self.levels,
+                            scale_dtype=scale_dtype, clip=self.codec.value_clip)
+        except ValueError as err:
+            raise QuantizationError(f"{self.label}: cannot quantize values to {self.bits} bits: {err}") from None
+
+    # ------------------------------------------------------------------------------- attention side
+    def attention_block(self, start, stop, dtype):
+        values = dequantize(self._value_groups().slice_tokens(start, stop), dtype)
+        return self._keys(start, stop).to(dtype), values  # rotated values: attention_output un-rotates their sum
+
+    def attention_output(self, x):
+        return self.codec.values(x)
+
+    def gather(self, index):
+        keys = self._keys(0, self.num_tokens).to(self.dtype)
+        values = dequantize(self._value_groups())
+        if self.codec.values_transformed:
+            values = self.codec.values(values)
+        return gather_tokens(keys, index), gather_tokens(values.to(self.dtype), index)
+
+    def bytes_per_token(self) -> float:
+        records = sum(v.shape[1] * v.element_size() for v in self.token_data.values())
+        h = self.value_codes.shape[1]
+        values = h * (self.value_codes.shape[-1] + self.value_scale.shape[-1] * 2 * self.value_scale.element_size())
+        return self.key_codes.shape[-1] + values + POSITION_BYTES + records
+
+    # ---------------------------------------------------------------------------------- storage side
+    def _shared(self, index: torch.Tensor) -> torch.Tensor:
+        """A per-head [B, H, n] index or positions that must be the same for every head -> its [B, 1, n] form."""
+        if index.shape[1] == 1:
+            return index
+        if not bool((index == index[:, :1]).all()):
+            raise KVStackError(
+                f"{self.label}: coding='transform' codes the keys of all KV heads of a token together, so every head "
+                "must hold the same tokens; a head-wise selection reached it (use a scorer with head_wise: false)"
+            )
+        return index[:, :1]
+
+    def append(self, keys, values, positions, records=None) -> None:
+        positions = self._shared(positions).to(torch.int32)
+        if not bool(torch.isfinite(keys).all()):
+            raise QuantizationError(f"{self.label}: cannot code keys with NaN or Inf to {self.key_bits} bits")
+        self.heads, self._value_dim, self.dtype = keys.shape[1], values.shape[-1], keys.dtype
+        y = self._components(keys, positions)
+        valid = positions[:, 0] >= 0  # [B, n]
+        qv = self._quantize_values(values)
+        if self.positions is None:
+            self._fit(y, valid)
+            self.key_codes = self.key_code.encode(y)[:, None]
+            self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
+            self.positions = positions
+        else:
+            qv = QuantizedGroups.cat_tokens([self._value_groups(), qv])
+            self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
+            if self.fitted_on < FIT_TOKENS and int(self.valid().sum() + valid.sum()) >= 2 * max(self.fitted_on, 1):
+                # re-fit on the held keys (as decoded) and the new ones, and re-code every key
+                y = torch.cat([self._components(self._keys(0, self.num_tokens), self.positions), y], 1)
+                self.positions = torch.cat([self.positions, positions], -1)
+                self._fit(y, self.valid()[:, 0])
+                self.key_codes = self.key_code.encode(y)[:, None]
+            else:
+                self.positions = torch.cat([self.positions, positions], -1)
+                self.key_codes = torch.cat([self.key_codes, self.key_code.encode(y)[:, None]], 2)
+        self._append_token_data(keys.shape[-2], records)
+
+    def select(self, index, slot_valid) -> None:
+        index = self._shared(index)
+        self.key_codes = gather_tokens(self.key_codes, index)
+        self.value_codes = gather_tokens(self.value_codes, index)
+        self.value_scale = bytewise(gather_tokens, self.value_scale, index)
+        self.value_zero = bytewise(gather_tokens, self.value_zero, index)
+        self.positions = select_positions(self.positions, index, slot_valid[:, :1])
+        self._select_token_data(index)
+
+
+def transform_tier(shape, layer_idx: int, key_bits: int, bits: int, value_group: int, label: str, name: str, codec,
+                   holds_codec_tensors: bool = True) -> TransformCodedTier:
+    """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys)."""
+    return TransformCodedTier(key_bits, bits, value_group, shape.dtype, label, name, key_basis(shape, layer_idx), codec,
+                              holds_codec_tensors)
+
+
+def transform_token_bytes(shape, key_bits: int, bits: int, value_group: int, scale_bytes: int,
+                          extra_per_token: float = 0.0) -> float:
+    """Bytes of one token per batch row: its key codes, its values' codes, scales and zero points, and
+    ``extra_per_token`` (positions, records)."""
+    h = shape.num_kv_heads
+    values = h * (shape.value_dim * bits / 8 + 2 * scale_bytes * shape.value_dim / value_group)
+    return h * shape.head_dim * key_bits / 8 + values + extra_per_token
+
+
+__all__ = [
+    "FIT_TOKENS", "LEVELS_FACTOR", "TransformCodedTier", "coder_bytes", "coder_levels",
+    "key_basis", "key_projection", "transform_tier", "transform_token_bytes",
+]

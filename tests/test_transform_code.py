@@ -1,0 +1,169 @@
+"""Numerics of transform coding (``kvstack/kernels/transform_code.py``): the Gaussian Lloyd-Max levels, the bit
+allocation, code packing, encode/decode against a brute-force float64 reference, the fitted levels and the weight
+basis. The tier in the stack: tests/test_transform_tier.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstack.kernels.transform_code import (
+    BLOCK, ComponentCode, _pack, _unpack, allocate_widths, gaussian_lloyd, lloyd_levels, transform_reference,
+    uniform_levels, weight_basis,
+)
+
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_gaussian_levels_are_the_known_lloyd_max_quantizers():
+    # Max (1960): 1 bit +-0.7979 (error 0.3634), 2 bits +-0.4528 / +-1.510 (0.1175), 3 bits error 0.03455
+    levels, mse = gaussian_lloyd(1)
+    assert levels == pytest.approx((-0.7979, 0.7979), abs=1e-4) and mse == pytest.approx(0.3634, abs=1e-4)
+    levels, mse = gaussian_lloyd(2)
+    assert levels == pytest.approx((-1.5104, -0.4528, 0.4528, 1.5104), abs=1e-4)
+    assert mse == pytest.approx(0.1175, abs=1e-4)
+    assert gaussian_lloyd(3)[1] == pytest.approx(0.03455, abs=1e-4)
+    assert gaussian_lloyd(0) == ((0.0,), 1.0)
+    errors = [gaussian_lloyd(b)[1] for b in range(9)]
+    assert all(a > b for a, b in zip(errors, errors[1:]))
+
+
+@FAST
+@given(
+    blocks=st.integers(1, 12), bits=st.integers(0, 8), seed=st.integers(0, 10_000), max_bits=st.integers(1, 8),
+)
+def test_allocation_spends_the_budget_in_non_increasing_widths(blocks, bits, seed, max_bits):
+    c = blocks * BLOCK
+    var = torch.rand(c, generator=torch.Generator().manual_seed(seed)) ** 4
+    total = min(bits, max_bits) * c
+    order, widths = allocate_widths(var, total, max_bits=max_bits)
+    assert sorted(order.tolist()) == list(range(c))
+    assert torch.all(var[order][:-1] >= var[order][1:])  # by decreasing variance
+    assert list(widths) == sorted(widths, reverse=True) and max(widths) <= max_bits
+    assert sum(widths) * BLOCK == total  # every bit spent: nothing blocks it below max_bits per component
+
+
+def test_allocation_gives_more_bits_to_more_variance_and_none_to_empty_components():
+    var = torch.tensor([100.0] * 8 + [1.0] * 8 + [0.0] * 16)
+    _, widths = allocate_widths(var, 2 * 32)
+    assert widths[0] > widths[1] > 0 and widths[2:] == (0, 0)
+    # each bit quarters a component's error (roughly): 100x the variance is worth about log4(100) = 3.3 more bits
+    assert 3 <= widths[0] - widths[1] <= 4
+
+
+def test_allocation_respects_the_level_limit():
+    var = torch.tensor([1e6] * 8 + [1.0] * 24)
+    _, free = allocate_widths(var, 3 * 32)
+    assert free[0] == 8  # unbounded: the dominant block takes the widest codes
+    limit = uniform_levels(32, 3) * 2
+    _, widths = allocate_widths(var, 3 * 32, max_levels=limit)
+    assert sum(BLOCK * 2**w for w in widths) <= limit < sum(BLOCK * 2**w for w in free)
+
+
+def test_allocation_spends_every_bit_whenever_the_uniform_allocation_fits_the_level_limit():
+    var = torch.logspace(6, -6, 48) ** 2
+    for bits in (1, 2, 3, 4):
+        _, widths = allocate_widths(var, bits * 48, max_levels=uniform_levels(48, bits))
+        assert sum(widths) * BLOCK == bits * 48 and widths == (bits,) * 6  # only the uniform one fits
+        _, widths = allocate_widths(var, bits * 48, max_levels=2 * uniform_levels(48, bits))
+        assert sum(widths) * BLOCK == bits * 48 and sum(BLOCK * 2**w for w in widths) <= 2 * uniform_levels(48, bits)
+
+
+@pytest.mark.parametrize("c, total, why", [(12, 24, "multiple of 8"), (16, 16 * 9, "is not in"), (16, 12, "multiple")])
+def test_allocation_refuses_what_it_cannot_lay_out(c, total, why):
+    with pytest.raises(ValueError, match=why):
+        allocate_widths(torch.ones(c), total)
+
+
+@FAST
+@given(w=st.integers(1, 8), n=st.integers(1, 6), rows=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_codes_pack_into_w_bytes_per_eight_and_back(w, n, rows, seed):
+    codes = torch.randint(0, 2**w, (rows, n * BLOCK), generator=torch.Generator().manual_seed(seed))
+    packed = _pack(codes, w)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, n * w)
+    assert torch.equal(_unpack(packed, w), codes)
+
+
+def test_packing_is_little_endian_within_a_block():
+    codes = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 1]])  # 3 bits: code 0 in bit 0, code 7 in bits 21-23
+    assert _pack(codes, 3).tolist() == [[1, 0, 0b00100000]]
+
+
+def _samples(n, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(1, -2, c)  # very unequal variances, and heavy tails in some components
+    y = torch.randn(n, c, generator=g) * scale + torch.randn(c, generator=g) * 3
+    y[:, : c // 4] += torch.distributions.Laplace(0.0, 1.0).sample((n, c // 4)) * scale[: c // 4]
+    return y
+
+
+@FAST
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([1, 2, 3, 4]), c=st.sampled_from([8, 16, 48]))
+def test_decode_of_encode_is_the_nearest_level_of_every_component(seed, bits, c):
+    y = _samples(300, c, seed)
+    code = ComponentCode.fit(y, bits * c, 2 * uniform_levels(c, bits))
+    assert code.nbytes_per_vector * 8 == bits * c
+    basis = torch.linalg.qr(torch.randn(c, c, generator=torch.Generator().manual_seed(seed)))[0]
+    x = y @ basis.T  # so that x @ basis == y
+    packed = code.encode(x @ basis)
+    assert packed.shape == (300, bits * c // 8) and packed.dtype == torch.uint8
+    decoded = code.decode(packed) @ basis.T
+    reference = transform_reference(x, basis, code)
+    # float32 against float64: a value within rounding of a midpoint may take the other neighbour
+    close = (decoded.double() - reference).abs().amax(-1) < 1e-3 * (1 + reference.abs().amax(-1))
+    assert close.float().mean() > 0.99
+
+
+def test_fitted_levels_beat_the_gaussian_levels_they_start_from_on_skewed_data():
+    g = torch.Generator().manual_seed(0)
+    y = torch.distributions.Exponential(1.0).sample((4000, 8))  # skewed: Gaussian levels waste half their range
+    fitted = ComponentCode.fit(y, 3 * 8, uniform_levels(8, 3))
+    gauss = ComponentCode.fit(y, 3 * 8, uniform_levels(8, 3), iters=0)
+    err = lambda code: float(((code.decode(code.encode(y)) - y) ** 2).mean())  # noqa: E731
+    assert err(fitted) < 0.6 * err(gauss)
+    del g
+
+
+def test_lloyd_never_increases_the_squared_error():
+    y = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) ** 3
+    init = torch.tensor([[-1.0, 0.0, 1.0, 2.0]] * 3)
+
+    def sse(c):
+        idx = torch.searchsorted((c[:, 1:] + c[:, :-1]).contiguous() / 2, y)
+        return float(((y - c.gather(1, idx)) ** 2).sum())
+
+    errors = [sse(lloyd_levels(y, init, iters)) for iters in range(6)]
+    assert all(a >= b - 1e-6 for a, b in zip(errors, errors[1:]))
+
+
+def test_a_coder_holds_a_fixed_number_of_levels_and_zero_width_components_decode_to_their_mean():
+    y = torch.cat([torch.randn(200, 8) * 10, torch.randn(200, 8) * 1e-4 + 5.0], 1)
+    code = ComponentCode.fit(y, 8 * 4, 1000)
+    assert code.levels.numel() == 1000 and code.widths == (4, 0)
+    tensors = code.tensors()
+    assert tensors["order"].dtype == torch.int16 and tensors["offsets"].dtype == torch.int32
+    out = code.decode(code.encode(y))
+    assert torch.allclose(out[:, 8:], y[:, 8:].mean(0).expand(200, -1), atol=1e-3)
+
+
+def test_constant_components_are_exact():
+    y = torch.full((50, 16), 2.5)
+    y[:, 3] = -7.0
+    code = ComponentCode.fit(y, 2 * 16, uniform_levels(16, 2))
+    assert torch.equal(code.decode(code.encode(y)), y)
+
+
+def test_the_weight_basis_is_orthonormal_and_decorrelates_outputs_of_white_inputs():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(24, 40, generator=g) @ torch.diag(torch.logspace(0, -2, 40))
+    u = weight_basis(weight)
+    assert torch.allclose(u.T @ u, torch.eye(24), atol=1e-5)
+    x = torch.randn(20000, 40, generator=g) @ weight.T
+    cov = torch.cov((x @ u).T)
+    off = cov - torch.diag(cov.diagonal())
+    assert off.abs().max() < 0.05 * cov.diagonal().max()
+    assert torch.all(cov.diagonal()[:-1] >= 0.9 * cov.diagonal()[1:])  # most energetic first
+    tall = weight_basis(torch.randn(24, 8, generator=g))  # more outputs than inputs: completed to a square basis
+    assert torch.allclose(tall.T @ tall, torch.eye(24), atol=1e-5)
