@@ -52,12 +52,16 @@ def gaussian_lloyd(bits: int) -> tuple[tuple[float, ...], float]:
         return (0.0,), 1.0
     x = torch.linspace(-9.0, 9.0, 180_001, dtype=torch.float64)
     p = torch.exp(-x * x / 2)
+    zero = torch.zeros(1, dtype=torch.float64)
+    mass_below, moment_below = torch.cat([zero, p.cumsum(0)]), torch.cat([zero, (p * x).cumsum(0)])
     n = 2**bits
     c = torch.linspace(-2.0, 2.0, n, dtype=torch.float64) * min(1.0, 0.4 * bits)
+    ends = torch.tensor([x.numel()])
     for _ in range(500):
-        idx = torch.bucketize(x, (c[1:] + c[:-1]) / 2)
-        mass = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, p)
-        c = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, p * x) / mass
+        # cell i holds the grid points between thresholds i - 1 and i: sums over it are differences of prefix sums
+        hi = torch.cat([torch.searchsorted(x, (c[1:] + c[:-1]) / 2, right=True), ends])
+        lo = torch.cat([ends.new_zeros(1), hi[:-1]])
+        c = (moment_below[hi] - moment_below[lo]) / (mass_below[hi] - mass_below[lo])
         c = (c - c.flip(0)) / 2  # the density is symmetric: so are its levels
     idx = torch.bucketize(x, (c[1:] + c[:-1]) / 2)
     mse = float((p * (x - c[idx]) ** 2).sum() / p.sum())
@@ -195,8 +199,7 @@ class ComponentCode:
 
     @classmethod
     def fit(
-        cls, y: torch.Tensor, total_bits: int, max_levels: int, levels_dtype: torch.dtype = torch.float32,
-        max_bits: int = MAX_BITS, iters: int = LLOYD_ITERS,
+        cls, y: torch.Tensor, total_bits: int, max_levels: int, max_bits: int = MAX_BITS, iters: int = LLOYD_ITERS,
     ) -> "ComponentCode":
         """Fit on samples ``y`` [N, C] (float32): allocation by the samples' variance, levels by Lloyd's iteration
         from the Gaussian's levels at each component's mean and standard deviation. ``levels`` holds exactly
@@ -223,8 +226,7 @@ class ComponentCode:
             fitted = lloyd_levels(centred[rows], init, iters) if n else init
             index = offsets[rows, None] + torch.arange(2**w, device=y.device)[None, :]
             levels[index.reshape(-1)] = fitted.reshape(-1)
-        return cls(order.to(y.device, torch.int16), widths, offsets.to(torch.int32), center[order].contiguous(),
-                   levels.to(levels_dtype))
+        return cls(order.to(y.device, torch.int16), widths, offsets.to(torch.int32), center[order].contiguous(), levels)
 
     def _table(self, first: int, count: int, w: int) -> torch.Tensor:
         index = self.offsets[first : first + count, None].long() + torch.arange(2**w, device=self.levels.device)

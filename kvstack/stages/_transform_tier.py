@@ -11,8 +11,8 @@ the levels adapt to each cache). No scale or zero point per token or group.
 
 Values: per token, as ``kind: quantize`` stores them (``value_group_size`` channels per group, the stage's
 ``rotate`` / ``codebook`` / ``scale_dtype`` / ``value_clip``; ``kvstack/kernels/quant_pack.py``). Transform coding was
-measured on the values too and lost: on SmolLM2 its 3-bit values, with a smaller squared error than KIVI's, cost 3x
-their KL (docs/quantization.md).
+tried on the values too and lost: on SmolLM2 its 3-bit values, with a smaller squared error than KIVI's, gave a
+higher KL (docs/quantization.md).
 
 What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], ``value_codes`` / ``value_scale`` /
 ``value_zero`` [B, Hkv, T, ...], ``positions`` int32 [B, 1, T], per-token records, and per layer the key coder's
