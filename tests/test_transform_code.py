@@ -83,7 +83,8 @@ def test_codes_pack_into_w_bytes_per_eight_and_back(w, n, rows, seed):
     codes = torch.randint(0, 2**w, (rows, n * BLOCK), generator=torch.Generator().manual_seed(seed))
     packed = _pack(codes, w)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, n * w)
-    assert torch.equal(_unpack(packed, w), codes)
+    unpacked = _unpack(packed, w)
+    assert unpacked.dtype == (torch.int32 if w <= 4 else torch.int64) and torch.equal(unpacked.long(), codes)
 
 
 def test_packing_is_little_endian_within_a_block():
@@ -114,6 +115,23 @@ def test_decode_of_encode_is_the_nearest_level_of_every_component(seed, bits, c)
     # float32 against float64: a value within rounding of a midpoint may take the other neighbour
     close = (decoded.double() - reference).abs().amax(-1) < 1e-3 * (1 + reference.abs().amax(-1))
     assert close.float().mean() > 0.99
+
+
+@FAST
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([1, 3, 5, 8]), c=st.sampled_from([16, 48]))
+def test_reconstruct_is_the_decoded_components_times_the_transposed_basis(seed, bits, c):
+    y = _samples(200, c, seed)
+    code = ComponentCode.fit(y, bits * c, 2 * uniform_levels(c, bits))
+    basis = torch.linalg.qr(torch.randn(c, c, generator=torch.Generator().manual_seed(seed)))[0]
+    packed = code.encode(y)
+    expected = code.decode(packed).double() @ basis.double().T
+    scale = 1 + expected.abs().amax(-1, keepdim=True)
+    full = code.reconstruct(packed, basis)
+    assert full.dtype == torch.float32 and ((full.double() - expected).abs() / scale).max() < 1e-5
+    half = code.reconstruct(packed, basis, torch.bfloat16)  # a bf16 model's keys: the product in bf16
+    assert half.dtype == torch.bfloat16
+    assert ((half.double() - expected).abs() / scale).max() < 3e-2
+    assert ((half.double() - expected).abs() / scale).max() > 1e-5  # it did run in bf16
 
 
 def test_fitted_levels_beat_the_gaussian_levels_they_start_from_on_skewed_data():

@@ -19,7 +19,7 @@ This file holds the coder given ``y`` (the basis and where it comes from are the
   block widths, ``center`` [C] float32 (each component's mean, in coded order) and ``levels`` [max_levels] (every
   component's levels relative to its centre, sorted, component after component; a width-0 component has the one
   level 0, its mean). ``encode`` picks the nearest level of every component and packs the codes; ``decode`` unpacks
-  them and looks the levels up.
+  them and looks the levels up; ``reconstruct`` returns ``x^ = y^ U^T`` directly.
 
 Packing: blocks in coded order, block ``b`` of width ``w`` is ``w`` bytes: its 8 codes form an ``8 w``-bit little-endian
 integer, code ``i`` in bits ``[w i, w (i + 1))``. Width 0 takes no bytes.
@@ -146,13 +146,15 @@ def _pack(codes: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, w: int) -> torch.Tensor:
-    """uint8 [..., m * w] -> codes int64 [..., m * 8]."""
+    """uint8 [..., m * w] -> codes [..., m * 8]: int32 up to 4 bits (a block's word fits 32 bits; the shifts and masks
+    below read the right bits even where the word wraps negative), int64 above."""
     if w == 8:
         return packed.to(torch.int64)
+    dtype = torch.int32 if w <= 4 else torch.int64
     shape = packed.shape[:-1]
-    b = packed.to(torch.int64).reshape(*shape, -1, w)
-    word = (b << (torch.arange(w, device=packed.device, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
-    codes = (word >> (torch.arange(BLOCK, device=packed.device, dtype=torch.int64) * w)) & (2**w - 1)
+    b = packed.to(dtype).reshape(*shape, -1, w)
+    word = (b << (torch.arange(w, device=packed.device, dtype=dtype) * 8)).sum(-1, keepdim=True, dtype=dtype)
+    codes = (word >> (torch.arange(BLOCK, device=packed.device, dtype=dtype) * w)) & (2**w - 1)
     return codes.reshape(*shape, -1)
 
 
@@ -245,17 +247,33 @@ class ComponentCode:
         out = torch.cat(parts, -1) if parts else torch.empty(m, 0, dtype=torch.uint8, device=y.device)
         return out.reshape(*lead, -1)
 
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 codes [..., nbytes_per_vector] -> y^ [..., C] float32 (basis order)."""
+    def decode_coded(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 codes [..., nbytes_per_vector] -> y^ [..., C] in coded order (component ``j`` is basis component
+        ``order[j]``): one lookup per component in a table of the levels plus their centres, rounded to ``dtype``."""
         lead = codes.shape[:-1]
         flat = codes.reshape(-1, codes.shape[-1])
-        y = flat.new_zeros(flat.shape[0], self.num_components, dtype=torch.float32)  # width 0: the centre
-        levels = self.levels.float()
+        c, total = self.num_components, self.levels.numel()
+        sizes = torch.diff(self.offsets, append=self.offsets.new_tensor([total]))
+        table = (self.levels.float() + torch.repeat_interleave(self.center, sizes, output_size=total)).to(dtype)
+        y = flat.new_empty(flat.shape[0], c, dtype=dtype)
+        coded = 0
         for w, first, count, byte in _width_runs(self.widths):
             idx = _unpack(flat[:, byte : byte + count // BLOCK * w], w)  # [M, count]
-            y[:, first : first + count] = levels[self.offsets[None, first : first + count] + idx]
-        y = y + self.center
-        return y[:, torch.argsort(self.order.long())].reshape(*lead, self.num_components)
+            idx += self.offsets[first : first + count].to(idx.dtype)
+            y[:, first : first + count] = table.index_select(0, idx.reshape(-1)).view(-1, count)
+            coded = first + count
+        y[:, coded:] = self.center[coded:].to(dtype)  # width 0: the mean (widths are non-increasing along the order)
+        return y.reshape(*lead, c)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [..., nbytes_per_vector] -> y^ [..., C] float32 (basis order)."""
+        return self.decode_coded(codes)[..., torch.argsort(self.order.long())]
+
+    def reconstruct(self, codes: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 codes [..., nbytes_per_vector] -> x^ = y^ U^T [..., C] in ``dtype`` for the basis ``U`` [C, C] the
+        vectors were coded in. The permutation acts on U's C columns instead of every vector's components; the product
+        runs in ``dtype`` (a 16-bit model's keys are read in its dtype, as its own projections run)."""
+        return self.decode_coded(codes, dtype) @ basis[:, self.order.long()].T.to(dtype)
 
 
 def transform_reference(x: torch.Tensor, basis: torch.Tensor, code: ComponentCode) -> torch.Tensor:

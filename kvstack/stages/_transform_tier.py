@@ -165,11 +165,12 @@ class TransformCodedTier(ExactTier):
         self.key_code = code
         self.fitted_on = int(valid.sum())
 
-    def _keys(self, start: int, stop: int) -> torch.Tensor:
-        """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D] float32."""
-        y = self.key_code.decode(self.key_codes[:, 0, start:stop])
-        b, n, _ = y.shape
-        k = (y @ self._basis(y.device).T).reshape(b, n, self.heads, -1).transpose(1, 2)
+    def _keys(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D] in ``dtype`` (attention reads the model's dtype: the
+        basis product and RoPE run in it, as the model's own key projection and RoPE do)."""
+        k = self.key_code.reconstruct(self.key_codes[:, 0, start:stop], self._basis(self.key_codes.device), dtype)
+        b, n, _ = k.shape
+        k = k.reshape(b, n, self.heads, -1).transpose(1, 2)
         cos, sin = rope_angles(self.positions[..., start:stop].clamp_min(0), self.codec.inv_freq.to(k.device))
         return apply_rope(k, cos, sin)
 
@@ -195,13 +196,13 @@ class TransformCodedTier(ExactTier):
     # ------------------------------------------------------------------------------- attention side
     def attention_block(self, start, stop, dtype):
         values = dequantize(self._value_groups().slice_tokens(start, stop), dtype)
-        return self._keys(start, stop).to(dtype), values  # rotated values: attention_output un-rotates their sum
+        return self._keys(start, stop, dtype), values  # rotated values: attention_output un-rotates their sum
 
     def attention_output(self, x):
         return self.codec.values(x)
 
     def gather(self, index):
-        keys = self._keys(0, self.num_tokens).to(self.dtype)
+        keys = self._keys(0, self.num_tokens, self.dtype)
         values = dequantize(self._value_groups())
         if self.codec.values_transformed:
             values = self.codec.values(values)
