@@ -272,7 +272,7 @@ class ComponentCode:
     def reconstruct(self, codes: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 codes [..., nbytes_per_vector] -> x^ = y^ U^T [..., C] in ``dtype`` for the basis ``U`` [C, C] the
         vectors were coded in. The permutation acts on U's C columns instead of every vector's components; the product
-        runs in ``dtype`` (a 16-bit model's keys are read in its dtype, as its own projections run)."""
+        runs in ``dtype``."""
         return self.decode_coded(codes, dtype) @ basis[:, self.order.long()].T.to(dtype)
 
 

@@ -166,8 +166,8 @@ class TransformCodedTier(ExactTier):
         self.fitted_on = int(valid.sum())
 
     def _keys(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D] in ``dtype`` (attention reads the model's dtype: the
-        basis product and RoPE run in it, as the model's own key projection and RoPE do)."""
+        """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D], the basis product and RoPE in ``dtype`` (float32 or
+        float64: the attention engine's compute dtype)."""
         k = self.key_code.reconstruct(self.key_codes[:, 0, start:stop], self._basis(self.key_codes.device), dtype)
         b, n, _ = k.shape
         k = k.reshape(b, n, self.heads, -1).transpose(1, 2)
@@ -202,7 +202,7 @@ class TransformCodedTier(ExactTier):
         return self.codec.values(x)
 
     def gather(self, index):
-        keys = self._keys(0, self.num_tokens, self.dtype)
+        keys = self._keys(0, self.num_tokens, torch.promote_types(self.dtype, torch.float32)).to(self.dtype)
         values = dequantize(self._value_groups())
         if self.codec.values_transformed:
             values = self.codec.values(values)
