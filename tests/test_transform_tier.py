@@ -233,3 +233,108 @@ def test_transform_coding_runs_on_every_architecture(arch):
     basis = key_basis(cache.shape, 0)
     c = cache.shape.num_kv_heads * cache.shape.head_dim
     assert basis.shape == (c, c) and torch.allclose(basis.T @ basis, torch.eye(c), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ key_basis
+def _calibration(n=2, length=48, seed=11):
+    return [torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(seed + i)) for i in range(n)]
+
+
+def _prerope_keys(model, seqs, layer=0):
+    """Independent reference: k_proj's outputs (Llama: the pre-RoPE keys), each sequence's first positions left out."""
+    grabbed = []
+    hook = model.model.layers[layer].self_attn.k_proj.register_forward_hook(lambda m, i, o: grabbed.append(o[0]))
+    with torch.no_grad():
+        for ids in seqs:
+            model(ids[None], use_cache=False)
+    hook.remove()
+    return torch.cat([k[_transform_tier.CALIBRATION_SKIP :] for k in grabbed]).double()
+
+
+def test_the_calibrated_basis_is_the_principal_axes_of_the_calibration_keys():
+    model = tiny_model("llama", head_dim=16)
+    seqs = _calibration()
+    spec = kvstack.StackSpec.load(stage(bits=2, key_basis="calibrated"))
+    with kvstack.applied(model, spec, calibration=seqs):
+        shape = ModelShape.from_model(model)
+        for layer in range(model.config.num_hidden_layers):
+            basis = key_basis(shape, layer, "calibrated").double()
+            k = _prerope_keys(model, seqs, layer)
+            cov = torch.cov(k.T)
+            eig = torch.linalg.eigvalsh(cov).flip(0)
+            rotated = basis.T @ cov @ basis
+            assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[0], dtype=basis.dtype), atol=1e-5)
+            assert torch.allclose(rotated.diagonal(), eig, rtol=1e-4, atol=1e-5 * float(eig[0]))
+            off = rotated - torch.diag(rotated.diagonal())
+            assert float(off.abs().max()) < 1e-4 * float(eig[0])
+
+
+def test_a_calibrated_stack_codes_keys_in_that_basis_and_remove_forgets_it():
+    model = tiny_model("llama", head_dim=16)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with kvstack.applied(model, stage(bits=2, residual=0, key_basis="calibrated"), calibration=_calibration()):
+        shape = ModelShape.from_model(model)
+        cache = kvstack.cache_for(model)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        for layer in cache.layers:
+            assert tier_of(cache, layer.layer_idx).basis is key_basis(shape, layer.layer_idx, "calibrated")
+            weights = key_basis(shape, layer.layer_idx)
+            assert not torch.allclose(tier_of(cache, layer.layer_idx).basis.abs(), weights.abs())
+    with pytest.raises(SpecError, match=r"key_basis='calibrated' needs the basis fitted when the stack is applied"):
+        key_basis(shape, 0, "calibrated")
+    weights = run(model, stage(bits=2, residual=0), ids, 40)[0]  # key_basis: weights needs no calibration
+    assert tier_of(weights).basis is key_basis(shape, 0)
+
+
+def test_without_calibration_the_model_samples_its_own_text_deterministically():
+    model = tiny_model("llama", head_dim=16)
+    spec = stage(bits=2, key_basis="calibrated")
+    rng = torch.random.get_rng_state()
+    bases = []
+    for _ in range(2):
+        with kvstack.applied(model, spec):
+            bases.append(key_basis(ModelShape.from_model(model), 0, "calibrated").clone())
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the sampling's seed is its own
+    assert torch.equal(bases[0], bases[1])
+    with kvstack.applied(model, spec, calibration=_calibration()):
+        assert not torch.equal(key_basis(ModelShape.from_model(model), 0, "calibrated"), bases[0])
+
+
+def test_calibration_that_cannot_fit_a_basis_is_refused_and_leaves_the_model_as_it_was():
+    model = tiny_model("llama", head_dim=16)
+    spec = stage(bits=2, key_basis="calibrated")
+    short = [torch.tensor([5, 6, 7, 8])]
+    with pytest.raises(SpecError, match=r"calibration holds 0 key\(s\) past the first 4 positions"):
+        kvstack.apply(model, spec, calibration=short)
+    with pytest.raises(kvstack.CacheUsageError, match="was not prepared"):
+        kvstack.remove(model)
+    with pytest.raises(SpecError, match=r"calibration\[0\]='Tensor' is not allowed: a non-empty integer tensor"):
+        kvstack.apply(model, spec, calibration=[torch.ones(3)])
+    model.config.bos_token_id = model.generation_config.bos_token_id = None
+    with pytest.raises(SpecError, match=r"samples its calibration from the model's BOS token and this model has none"):
+        kvstack.apply(model, spec)
+
+
+def test_key_basis_acts_only_on_transform_coded_keys():
+    kivi = {"name": "k", "stages": [{"kind": "quantize", "bits": 2, "key_basis": "calibrated"}]}
+    spec = kvstack.StackSpec.load(kivi)
+    assert "key_basis" not in spec.to_yaml() and not spec.model_stages
+    assert kvstack.StackSpec.load(stage(bits=2, key_basis="calibrated")).model_stages
+    assert not kvstack.StackSpec.load(stage(bits=2)).model_stages
+
+
+def test_the_key_basis_bench_reports_every_basis_and_width_and_near_zero_error_at_eight_bits():
+    from kvstack.bench.key_basis import markdown, measure
+
+    model = tiny_model("llama", head_dim=16)
+    texts = {"random": [torch.randint(3, 128, (80,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]}
+    rows = measure(model, texts, [1, 8])
+    assert {(r["bits"], r["basis"]) for r in rows} == {(b, n) for b in (1, 8) for n in ("weights", "calibrated", "own")}
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert r["attention_error"] < (1e-3 if r["bits"] == 8 else 1.0)
+    for name in ("weights", "calibrated", "own"):
+        at = {r["bits"]: r["attention_error"] for r in rows if r["basis"] == name and r["text"] == "random[0]"}
+        assert at[8] < at[1]
+    assert "| random (2) | 1 |" in markdown(rows)

@@ -5,7 +5,8 @@ A stage file in ``kvstack/stages/`` defines a ``StageSpec`` subclass with a uniq
 
 * ``validate_with(budget)``, ``validate_in_stack(position, stages)`` — when the spec is loaded.
 * ``validate_for(shape)`` — before anything is touched; raise :class:`SpecError` naming the model's dimension.
-* ``prepare_model(model, calibration)`` — model surgery stages only (GQA conversion, static channel pruning).
+* ``prepare_model(model, calibration)`` — ``modifies_model`` stages only (GQA conversion, static channel pruning, a
+  calibrated key basis).
 * ``plan_memory(plan)`` — transform the analytic :class:`MemoryPlan` (the bound property tests check).
 * ``build(shape)`` -> :class:`Stage` — the runtime object shared by all layers of one cache.
 
@@ -71,7 +72,8 @@ class StageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     kind: str
-    #: model-surgery stages change the model's weights/config in ``kvstack.apply`` (they cannot be undone by remove)
+    #: stages that prepare the model in ``kvstack.apply`` (``prepare_model``): surgery on its weights/config, or a
+    #: per-model tensor fitted on calibration text (a calibrated key basis)
     modifies_model: ClassVar[bool] = False
 
     def inactive_options(self) -> set[str]:
@@ -120,8 +122,8 @@ class StageSpec(BaseModel):
         """Raise :class:`SpecError` if this stage cannot run on a model of this shape."""
 
     def prepare_model(self, model: Any, calibration: Any = None) -> "Callable[[], None] | None":
-        """Model surgery (only for ``modifies_model`` stages). Return a callable that undoes it: ``kvstack.remove``
-        and a failed ``kvstack.apply`` call it so the model is never left half-patched."""
+        """Model surgery or calibration (only for ``modifies_model`` stages). Return a callable that undoes it:
+        ``kvstack.remove`` and a failed ``kvstack.apply`` call it so the model is never left half-patched."""
         return None
 
     def plan_memory(self, plan: "MemoryPlan", stack_budget: Budget | None) -> None:

@@ -1,4 +1,5 @@
-"""Calibration data and model access shared by the model-surgery stages (``gqa``, static ``channel_prune``).
+"""Calibration data and model access shared by the stages that prepare the model (``gqa``, static ``channel_prune``,
+``key_basis: calibrated`` of transform-coded keys).
 
 **Calibration** (the ``calibration=`` argument of ``kvstack.apply``) is token ids: a list of 1-D (or ``[1, T]``)
 integer tensors, one per text, or a 2-D ``[N, T]`` tensor of unpadded rows. Tokenize texts yourself, e.g.
@@ -59,6 +60,36 @@ def calibration_sequences(calibration: Any, stage: str) -> list[torch.Tensor]:
     if not seqs:
         raise spec_error("calibration", calibration, "at least one token-id tensor")
     return seqs
+
+
+@torch.no_grad()
+def sampled_sequences(model, sequences: int, tokens: int, seed: int, stage: str) -> list[torch.Tensor]:
+    """Calibration drawn from the model itself: ``sequences`` rows of ``tokens`` tokens (at most the model's context)
+    sampled from its BOS token (temperature 1, no top-k/top-p, EOS not allowed to end a row early), seeded without
+    touching the global RNG."""
+    bos = getattr(model.generation_config, "bos_token_id", None)
+    bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
+    if isinstance(bos, (list, tuple)):
+        bos = bos[0] if bos else None
+    if bos is None:
+        raise SpecError(
+            f"{stage} samples its calibration from the model's BOS token and this model has none: pass "
+            "kvstack.apply(model, spec, calibration=[token-id tensors]) (texts tokenized by you, not the evaluation "
+            "texts)"
+        )
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit:
+        tokens = min(tokens, int(limit) - 1)  # rows stay within the model's context
+    device = next(model.parameters()).device
+    start = torch.full((sequences, 1), int(bos), dtype=torch.long, device=device)
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        rows = model.generate(
+            start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=int(bos) if pad is None else pad,
+        )
+    return [row[None] for row in rows]
 
 
 @torch.no_grad()

@@ -80,9 +80,16 @@ class QuantOptions(BaseModel):
     coding: Literal["kivi", "transform"] = Field(
         default="kivi",
         description="How keys are stored. kivi: per-channel groups of group_size tokens, a scale and zero point each; "
-        "transform: each token's pre-RoPE keys of all KV heads coded as one vector in a basis of the layer's k_proj "
-        "weight, key_bits per element on average allocated per component by variance, Lloyd-Max levels per "
+        "transform: each token's pre-RoPE keys of all KV heads coded as one vector in an orthonormal basis "
+        "(key_basis), key_bits per element on average allocated per component by variance, Lloyd-Max levels per "
         "component, no scales (needs key_rope: pre). Values are KIVI's per-token groups either way.",
+    )
+    key_basis: Literal["weights", "calibrated"] = Field(
+        default="weights",
+        description="coding: transform — the basis keys are coded in. weights: the left singular vectors of the "
+        "layer's k_proj weight (nothing to fit); calibrated: the principal axes of the layer's pre-RoPE keys on "
+        "calibration text (kvstack.apply(model, spec, calibration=...), else text sampled from the model itself), "
+        "fitted once per model when the stack is applied.",
     )
     rotate: Literal["none", "hadamard", "random"] = Field(
         default="none",
@@ -121,12 +128,17 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"coding", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
-        return set() if self.rotate == "random" else {"rotate_seed"}
+            return {"coding", "key_basis", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
+        inactive = set() if self.rotate == "random" else {"rotate_seed"}
+        return inactive if self.transform_coded else inactive | {"key_basis"}
 
     @property
     def transform_coded(self) -> bool:
         return self.coding == "transform"
+
+    def calibrates_keys(self, bits: list[int]) -> bool:
+        """Whether applying the stack fits the keys' basis on calibration text (``key_basis: calibrated``)."""
+        return self.transform_coded and self.key_basis == "calibrated" and any(b != 16 for b in bits)
 
     def check_quant_options(self, bits: list[int]) -> None:
         """Shape-independent checks (``bits``: the quantized widths the stage stores)."""

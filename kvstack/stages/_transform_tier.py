@@ -2,12 +2,20 @@
 KIVI values.
 
 Keys: each token's keys of all KV heads of a layer form one vector ``k`` [Hkv * Dk], un-rotated to pre-RoPE by its
-position and expressed in a basis of the layer's own key projection — the left singular vectors of ``k_proj``'s
-weight (:func:`kvstack.kernels.transform_code.weight_basis`), which decorrelates the heads and puts most of the
-energy in a few components. A :class:`ComponentCode` fitted on the tier's first tokens spends ``key_bits * Hkv * Dk``
-bits per token over those components by their variance, each component with its own Lloyd-Max levels (transform
-coding as in KVTC, arXiv 2511.01815, with the basis from the weights instead of a calibration set; the allocation and
-the levels adapt to each cache). No scale or zero point per token or group.
+position and expressed in an orthonormal basis ``U`` [C, C] (C = Hkv * Dk) that decorrelates the heads and puts most
+of the energy in a few components. A :class:`ComponentCode` fitted on the tier's first tokens spends
+``key_bits * C`` bits per token over those components by their variance, each component with its own Lloyd-Max
+levels (transform coding as in KVTC, arXiv 2511.01815; the allocation and the levels adapt to each cache). No scale or
+zero point per token or group. The basis (``key_basis``):
+
+* ``weights`` — the left singular vectors of the layer's ``k_proj`` weight
+  (:func:`kvstack.kernels.transform_code.weight_basis`): nothing to fit, but blind to how anisotropic the layer's
+  inputs are;
+* ``calibrated`` — the principal axes of the layer's pre-RoPE keys on calibration text (KVTC's PCA), fitted once when
+  the stack is applied (:func:`calibrate_key_bases`): on the text given to ``kvstack.apply(..., calibration=...)``,
+  else on :data:`SAMPLED_SEQUENCES` x :data:`SAMPLED_TOKENS` tokens the model samples itself from its BOS token (seed
+  :data:`SAMPLED_SEED`), so no data is needed. Fitted on a few thousand tokens of any text, it halves the
+  attention error of 1- and 2-bit keys against ``weights`` on SmolLM2 (docs/quantization.md).
 
 Values: per token, as ``kind: quantize`` stores them (``value_group_size`` channels per group, the stage's
 ``rotate`` / ``codebook`` / ``scale_dtype`` / ``value_clip``; ``kvstack/kernels/quant_pack.py``). Transform coding was
@@ -18,8 +26,10 @@ What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], ``value_cod
 ``value_zero`` [B, Hkv, T, ...], ``positions`` int32 [B, 1, T], per-token records, and per layer the key coder's
 ``order`` (int16 [C]), ``offsets`` (int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number,
 :func:`coder_levels`: float16 in 16-bit models, float32 in float32 ones), plus a ``random`` rotation's matrix. The
-key basis is the model's (a function of its weights, shared by every cache of the model like the weights) and is not
-counted. Every part is per token: removing tokens moves codes, nothing is re-coded, no slot is wasted.
+key basis is the model's, not the cache's: float32 [C, C] per layer, computed once per model (from its weights, or
+when the stack is applied) and shared by every cache of the model like the weights, so it is not counted
+(SmolLM2: 30 x 192 x 192 x 4 bytes = 4.4 MB, against 270 MB of bf16 weights). Every part is per token: removing
+tokens moves codes, nothing is re-coded, no slot is wasted.
 
 All heads hold the same tokens (positions [B, 1, T]): a head-wise selection is refused. The key coder is fitted on the
 valid tokens of every batch row together, and re-fitted — every held key re-coded — each time the tier has doubled
@@ -38,10 +48,11 @@ from kvstack.kernels.rope import apply_rope, rope_angles
 from kvstack.kernels.transform_code import ComponentCode, uniform_levels, weight_basis
 from kvstack.stack.errors import KVStackError, SpecError
 from kvstack.stack.memory import POSITION_BYTES
-from kvstack.stack.shape import caching_attention_modules
+from kvstack.stack.shape import ModelShape, caching_attention_modules
 from kvstack.stack.tiers import ExactTier, bytewise, gather_tokens, select_positions
 
-from ._quant_options import QuantizationError
+from ._calibration import calibration_sequences, sampled_sequences
+from ._quant_options import QuantizationError, rope_frequencies
 
 #: a coder has this many times the levels of every component at the average width (the allocation's limit)
 LEVELS_FACTOR = 1.5
@@ -49,6 +60,11 @@ LEVELS_FACTOR = 1.5
 FIT_TOKENS = 1024
 #: float16 levels hold the coders of 16-bit models; beyond this magnitude they are refused (a clear error, not an inf)
 FLOAT16_LIMIT = 65000.0
+#: key_basis: calibrated without calibration text: sequences x tokens sampled from the model (seeded)
+SAMPLED_SEQUENCES, SAMPLED_TOKENS, SAMPLED_SEED = 4, 512, 0
+#: leading positions of every calibration sequence left out of the basis: attention-sink keys, far from the others
+#: (the tiers keep a stack's sinks at full precision)
+CALIBRATION_SKIP = 4
 
 
 def coder_levels(components: int, bits: int) -> int:
@@ -90,19 +106,36 @@ def key_projection(module, kv_heads: int, head_dim: int) -> torch.Tensor:
     )
 
 
-def key_basis(shape, layer_idx: int) -> torch.Tensor:
-    """The keys' basis float32 [C, C] of layer ``layer_idx``, from the weights of the model the shape was read from
-    (computed once per weight version and kept with the model's attention module)."""
+#: attention module -> its calibrated key basis (set by calibrate_key_bases, removed with the stack)
+_CALIBRATED: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _attention_module(model, layer_idx: int):
+    modules = _MODULES.get(model)
+    if modules is None or layer_idx not in modules:
+        modules = _MODULES[model] = caching_attention_modules(model)
+    return modules[layer_idx]
+
+
+def key_basis(shape, layer_idx: int, source: str = "weights") -> torch.Tensor:
+    """The keys' basis float32 [C, C] of layer ``layer_idx`` of the model the shape was read from: ``weights`` (from
+    its key projection, computed once per weight version and kept with the attention module) or ``calibrated`` (set
+    when the stack was applied, :func:`calibrate_key_bases`)."""
     model = shape.model() if callable(getattr(shape, "model", None)) else None
     if model is None:
         raise SpecError(
             "coding='transform' needs the model's key projection weights: build the cache from a model "
             "(kvstack.apply(model, spec), then model.generate or kvstack.cache_for(model)), not from a config"
         )
-    modules = _MODULES.get(model)
-    if modules is None or layer_idx not in modules:
-        modules = _MODULES[model] = caching_attention_modules(model)
-    module = modules[layer_idx]
+    module = _attention_module(model, layer_idx)
+    if source == "calibrated":
+        basis = _CALIBRATED.get(module)
+        if basis is None:
+            raise SpecError(
+                "key_basis='calibrated' needs the basis fitted when the stack is applied: build the cache from a "
+                "model prepared by kvstack.apply(model, spec) (the stack on this model has no calibrated basis)"
+            )
+        return basis
     weight = key_projection(module, shape.num_kv_heads, shape.head_dim)
     version = (weight.data_ptr(), weight._version, tuple(weight.shape))
     cached = _BASES.get(module)
@@ -110,6 +143,59 @@ def key_basis(shape, layer_idx: int) -> torch.Tensor:
         cached = (version, weight_basis(weight))
         _BASES[module] = cached
     return cached[1]
+
+
+def pre_rope_vectors(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys [B, H, n, D] at positions [B, 1, n] -> each token's pre-RoPE keys of all heads [B, n, H * D]
+    float32 (what the basis acts on)."""
+    cos, sin = rope_angles(positions.clamp_min(0), inv_freq.to(keys.device))
+    k = apply_rope(keys.float(), cos, sin, inverse=True)
+    b, _, n, _ = k.shape
+    return k.transpose(1, 2).reshape(b, n, -1)
+
+
+@torch.no_grad()
+def calibrate_key_bases(model, calibration=None, stage: str = "key_basis=calibrated"):
+    """Fit every caching layer's ``calibrated`` key basis: the eigenvectors (by decreasing eigenvalue) of the
+    covariance of its pre-RoPE key vectors over ``calibration`` (token ids, as ``kvstack.apply`` takes them; None:
+    sequences the model samples itself), each sequence's first :data:`CALIBRATION_SKIP` positions left out. Runs the
+    model as it is (its own attention and the cache it makes for itself). Returns the undo (forgets the bases)."""
+    if calibration is None:
+        seqs = sampled_sequences(model, SAMPLED_SEQUENCES, SAMPLED_TOKENS, SAMPLED_SEED, stage)
+    else:
+        seqs = calibration_sequences(calibration, stage)
+    shape = ModelShape.from_model(model)
+    modules = caching_attention_modules(model)
+    device = next(model.parameters()).device
+    moments: dict[int, list] = {}
+    for ids in seqs:
+        cache = model(ids.to(device), use_cache=True).past_key_values
+        for layer_idx in modules:
+            keys = cache.layers[layer_idx].keys  # [1, Hkv, n, D]; a sliding window holds the newest n
+            n = keys.shape[-2]
+            positions = torch.arange(ids.shape[-1] - n, ids.shape[-1], device=keys.device)[None, None]
+            y = pre_rope_vectors(keys, positions, rope_frequencies(shape, layer_idx))[0]
+            y = y[(positions[0, 0] >= CALIBRATION_SKIP)].double()
+            m = moments.setdefault(layer_idx, [0, 0.0, 0.0])
+            m[0], m[1], m[2] = m[0] + y.shape[0], m[1] + y.sum(0), m[2] + y.T @ y
+    bases = {}
+    for layer_idx, (count, total, square) in moments.items():
+        if count < 2:
+            raise SpecError(
+                f"{stage}: calibration holds {count} key(s) past the first {CALIBRATION_SKIP} positions of its "
+                "sequences; give longer calibration sequences"
+            )
+        mean = total / count
+        covariance = (square - count * torch.outer(mean, mean)) / (count - 1)
+        bases[layer_idx] = torch.linalg.eigh(covariance)[1].flip(-1).float().contiguous()
+    for layer_idx, basis in bases.items():
+        _CALIBRATED[modules[layer_idx]] = basis
+
+    def undo() -> None:
+        for layer_idx in bases:
+            _CALIBRATED.pop(modules[layer_idx], None)
+
+    return undo
 
 
 # ---------------------------------------------------------------------------------------------- the tier
@@ -142,10 +228,7 @@ class TransformCodedTier(ExactTier):
     # ------------------------------------------------------------------------------------- keys
     def _components(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys [B, H, n, D] at positions [B, 1, n] -> pre-RoPE components [B, n, C] float32."""
-        cos, sin = rope_angles(positions.clamp_min(0), self.codec.inv_freq.to(keys.device))
-        k = apply_rope(keys.float(), cos, sin, inverse=True)
-        b, _, n, _ = k.shape
-        return k.transpose(1, 2).reshape(b, n, -1) @ self._basis(k.device)
+        return pre_rope_vectors(keys, positions, self.codec.inv_freq) @ self._basis(keys.device)
 
     def _basis(self, device) -> torch.Tensor:
         if self.basis.device != device:
@@ -264,10 +347,11 @@ class TransformCodedTier(ExactTier):
 
 
 def transform_tier(shape, layer_idx: int, key_bits: int, bits: int, value_group: int, label: str, name: str, codec,
-                   holds_codec_tensors: bool = True) -> TransformCodedTier:
-    """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys)."""
-    return TransformCodedTier(key_bits, bits, value_group, shape.dtype, label, name, key_basis(shape, layer_idx), codec,
-                              holds_codec_tensors)
+                   holds_codec_tensors: bool = True, basis: str = "weights") -> TransformCodedTier:
+    """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys;
+    ``basis``: the stage's ``key_basis``)."""
+    return TransformCodedTier(key_bits, bits, value_group, shape.dtype, label, name, key_basis(shape, layer_idx, basis),
+                              codec, holds_codec_tensors)
 
 
 def transform_token_bytes(shape, key_bits: int, bits: int, value_group: int, scale_bytes: int,
@@ -280,6 +364,7 @@ def transform_token_bytes(shape, key_bits: int, bits: int, value_group: int, sca
 
 
 __all__ = [
-    "FIT_TOKENS", "LEVELS_FACTOR", "TransformCodedTier", "coder_bytes", "coder_levels",
-    "key_basis", "key_projection", "transform_tier", "transform_token_bytes",
+    "CALIBRATION_SKIP", "FIT_TOKENS", "LEVELS_FACTOR", "SAMPLED_SEED", "SAMPLED_SEQUENCES", "SAMPLED_TOKENS",
+    "TransformCodedTier", "calibrate_key_bases", "coder_bytes", "coder_levels", "key_basis", "key_projection",
+    "pre_rope_vectors", "transform_tier", "transform_token_bytes",
 ]

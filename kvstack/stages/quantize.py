@@ -49,7 +49,7 @@ from kvstack.stack.registry import register_stage
 from kvstack.stack.tiers import EMPTY, ExactTier, bytewise, gather_records, gather_tokens, take_channels, widen_channels
 
 from ._quant_options import QuantizationError, QuantOptions, TierCodec
-from ._transform_tier import coder_bytes, transform_tier, transform_token_bytes
+from ._transform_tier import calibrate_key_bases, coder_bytes, transform_tier, transform_token_bytes
 
 __all__ = [
     "QuantOptions", "QuantizationError", "QuantizeSpec", "QuantizedTier", "TierCodec", "check_quant_params",
@@ -430,6 +430,13 @@ class QuantizeSpec(StageSpec, QuantOptions):
     def inactive_options(self) -> set[str]:
         return self.quant_option_fields_inactive([self.bits])
 
+    @property
+    def modifies_model(self) -> bool:  # type: ignore[override]
+        return self.calibrates_keys([self.bits])
+
+    def prepare_model(self, model, calibration=None):
+        return calibrate_key_bases(model, calibration, "quantize key_basis=calibrated")
+
     def validate_with(self, stack_budget) -> None:
         if isinstance(self.value_group_size, int) and self.value_group_size < 1:
             raise spec_error("value_group_size", self.value_group_size, "a positive int or 'head_dim'")
@@ -518,9 +525,8 @@ class QuantizeStage(Stage):
         label = f"layer {layer.layer_idx}, quantize"
         codec = self.spec.codec(self.shape, layer.layer_idx)
         if self.spec.transform_coded:
-            tier = transform_tier(
-                self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label, "quantized", codec
-            )
+            tier = transform_tier(self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label,
+                                  "quantized", codec, basis=self.spec.key_basis)
         else:
             tier = QuantizedTier(
                 self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,

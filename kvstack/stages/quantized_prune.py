@@ -63,7 +63,7 @@ from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from ._quant_options import QuantOptions
-from ._transform_tier import coder_bytes, transform_tier, transform_token_bytes
+from ._transform_tier import calibrate_key_bases, coder_bytes, transform_tier, transform_token_bytes
 from .quantize import (
     QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
 )
@@ -149,6 +149,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
 
     def inactive_options(self) -> set[str]:
         return super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
+
+    @property
+    def modifies_model(self) -> bool:  # type: ignore[override]
+        return self.calibrates_keys(self.quantized_bits())
+
+    def prepare_model(self, model, calibration=None):
+        return calibrate_key_bases(model, calibration, "quantized_prune key_basis=calibrated")
 
     def keeps_budget(self) -> bool:
         """The ``tiers`` form sizes its levels to the budget in bytes; the ``bits`` short form keeps every token
@@ -557,7 +564,7 @@ class QuantizedPruneStage(Stage):
             label = f"layer {layer.layer_idx}, quantized_prune"
             if self.spec.transform_coded:
                 tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
-                                      level.tier_name, codec, holder)
+                                      level.tier_name, codec, holder, basis=self.spec.key_basis)
             else:
                 tier = QuantizedTier(
                     level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
