@@ -339,6 +339,15 @@ def tiny_model(
 
 
 # --------------------------------------------------------------------------------------------- refused families
+def falcon_uses_attention_interface() -> bool:
+    """transformers 5.25 moved Falcon onto the attention interface; before, it computed attention itself."""
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon)
+
+
 #: families kvstack refuses, each with a regex of the reason its UnsupportedModelError must give
 REFUSED: dict[str, str] = {
     "t5": "encoder-decoder",
@@ -348,12 +357,13 @@ REFUSED: dict[str, str] = {
     "mamba": "linear-attention / recurrent / state-space",
     "recurrent_gemma": "linear-attention / recurrent / state-space",
     "qwen3_next": "linear-attention / recurrent / state-space",
-    "falcon": "computes attention itself",
     "bloom": "computes attention itself",
     "gpt_oss": "attention sinks",
     "llama4": "chunked local attention",
     "gemma3_bidirectional": "bidirectional",
 }
+if not falcon_uses_attention_interface():
+    REFUSED["falcon"] = "computes attention itself"
 
 
 def refused_model(family: str, seed: int = 0):

@@ -25,6 +25,7 @@ from archs import (
     MOE_ARCHS,
     REFUSED,
     _config,
+    falcon_uses_attention_interface,
     _model_class,
     _reinit,
     refused_model,
@@ -214,6 +215,23 @@ def test_refused_family_says_why_and_leaves_the_model_alone(family):
     if config_problem(model.config) is not None:  # what the config alone shows is refused from the config too
         with pytest.raises(kvstack.UnsupportedModelError, match=REFUSED[family]):
             kvstack.full_cache_bytes(model.config, 16)
+
+
+def test_falcon_is_refused_while_it_computes_attention_itself_and_exact_once_it_does_not():
+    """Support is read from the model's code: transformers 5.25 moved Falcon onto the attention interface, and from
+    then on the identity stack must reproduce its logits (float64, a prefill then a chunk on the cache)."""
+    model = refused_model("falcon").double()
+    if not falcon_uses_attention_interface():
+        with pytest.raises(kvstack.UnsupportedModelError, match="computes attention itself"):
+            kvstack.apply(model, "identity")
+        return
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        with kvstack.applied(model, "identity"):
+            cache = kvstack.cache_for(model)
+            ours = torch.cat([model(ids[:, :12], cache=cache).logits, model(ids[:, 12:], cache=cache).logits], 1)
+    assert torch.allclose(ours, reference, atol=1e-12, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------ gqa surgery

@@ -78,7 +78,7 @@ def test_invalid_spec_is_rejected_before_touching_the_model():
 def test_unsupported_architecture_says_why():
     """Support is detected from the model (tests/test_any_arch.py); a model that computes attention itself is
     refused with the reason, before anything is touched."""
-    model = refused_model("falcon")
+    model = refused_model("bloom")
     with pytest.raises(UnsupportedModelError, match="computes attention itself"):
         kvstack.apply(model, "identity")
     assert getattr(model, "_kvstack_applied", None) is None
