@@ -166,6 +166,7 @@ def calibrate_key_bases(model, calibration=None, stage: str = "key_basis=calibra
         seqs = calibration_sequences(calibration, stage)
     shape = ModelShape.from_model(model)
     modules = caching_attention_modules(model)
+    inv_freq = {layer_idx: rope_frequencies(shape, layer_idx) for layer_idx in modules}
     device = next(model.parameters()).device
     moments: dict[int, list] = {}
     for ids in seqs:
@@ -174,7 +175,7 @@ def calibrate_key_bases(model, calibration=None, stage: str = "key_basis=calibra
             keys = cache.layers[layer_idx].keys  # [1, Hkv, n, D]; a sliding window holds the newest n
             n = keys.shape[-2]
             positions = torch.arange(ids.shape[-1] - n, ids.shape[-1], device=keys.device)[None, None]
-            y = pre_rope_vectors(keys, positions, rope_frequencies(shape, layer_idx))[0]
+            y = pre_rope_vectors(keys, positions, inv_freq[layer_idx])[0]
             y = y[(positions[0, 0] >= CALIBRATION_SKIP)].double()
             m = moments.setdefault(layer_idx, [0, 0.0, 0.0])
             m[0], m[1], m[2] = m[0] + y.shape[0], m[1] + y.sum(0), m[2] + y.T @ y
