@@ -115,7 +115,8 @@ def quantized_prune_options(draw):
     transform = draw(st.booleans())
     if transform:  # keys transform-coded (pre-RoPE; values stay KIVI's), every head the same tokens
         stage.update(coding="transform", key_rope="pre", head_wise=False)
-    key_widths = st.integers(1, 8) if transform else st.sampled_from([2, 3, 4, 8])
+    # transform-coded widths are averages: halves fill whole bytes for every head_dim drawn (C = 2 x head_dim >= 16)
+    key_widths = st.sampled_from([0.5, 1, 1.5, 2, 2.5, 3, 4, 5.5, 8]) if transform else st.sampled_from([2, 3, 4, 8])
     if draw(st.booleans()):  # keys at other bits than the values on the last level
         tiers[-1] = {**tiers[-1], "key_bits": draw(key_widths)}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):  # mixed precision by layer

@@ -221,6 +221,72 @@ def test_the_coders_are_refitted_as_the_tier_doubles_and_stay_the_same_size(monk
     assert bool(torch.isfinite(keys).all())
 
 
+# ------------------------------------------------------------------------------------------------ fractional widths
+def pruned(key_bits, bits=3, **options) -> dict:
+    """quantized_prune: a quarter of the tokens at 16 bits, the rest transform-coded at ``key_bits`` / ``bits``."""
+    tiers = [{"fraction": 0.25, "bits": 16}, {"rest": True, "bits": bits, "key_bits": key_bits}]
+    return {"name": "frac", "stages": [{"kind": "quantized_prune", "scorer": "window", "head_wise": False,
+                                        "coding": "transform", "key_rope": "pre", "group_size": 8,
+                                        "value_group_size": "head_dim", "tiers": tiers, **options}]}
+
+
+def test_a_fractional_key_width_spends_that_average_and_lands_between_its_neighbours():
+    """``key_bits: 1.5`` (and 2.25) on a model with C = 32 key components: the tier's key codes are ``1.5 x 32 / 8``
+    = 6 bytes per token, its bytes are what the budget is sized with, and the decoded keys' error falls between the
+    neighbouring whole widths'."""
+    model = tiny_model("llama", head_dim=16)  # 2 KV heads: C = 32
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        exact = model(ids, use_cache=True).past_key_values
+    errors = {}
+    for key_bits in (1, 1.5, 2, 2.25, 3):
+        spec = kvstack.StackSpec.load(pruned(key_bits, bits=4))
+        cache, _ = run(model, spec, ids, 64)
+        tier = tier_of(cache)
+        assert tier.key_bits == key_bits and tier.name == f"quantized-k{key_bits}v4"
+        assert tier.key_codes.shape[-1] == round(key_bits * 32) // 8  # bytes of one token's key code
+        assert tier.bytes_per_token() == spec.stages[0].level_costs(cache.shape, torch.float32)[-1]
+        index = torch.sort(tier.positions[0, 0]).indices.expand(1, 1, -1)  # slots in position order
+        keys, _ = tier.gather(index)
+        k = exact.layers[0].keys[:, :, torch.sort(tier.positions[0, 0]).values.long()]
+        errors[key_bits] = float((keys - k).norm() / k.norm())
+    assert errors[1] > errors[1.5] > errors[2] > errors[2.25] > errors[3]
+
+
+def test_a_fractional_key_width_keeps_a_budget_and_buys_tokens_between_its_neighbours():
+    """Under ``ratio: 0.09`` (fill tier at 16 bits, the rest 2-bit values: no width holds every token) the cache
+    holds at most the budget at every key width, and half a bit less per key element keeps more tokens."""
+    model = tiny_model("llama", head_dim=16)
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(6))
+    full = kvstack.full_cache_bytes(model.config, 200, batch=2)
+    kept = {}
+    for key_bits in (1, 1.5, 2):
+        spec = pruned(key_bits, bits=2, n_sink=4, scale_dtype="float16")
+        spec["stages"][0]["tiers"][0] = {"fill": True, "bits": 16}
+        spec["budget"] = {"ratio": 0.09}
+        cache, out = run(model, spec, ids, 160)
+        assert bool(torch.isfinite(out).all())
+        assert cache.memory_bytes() <= 0.09 * full
+        kept[key_bits] = sum(t.num_tokens for t in cache.layers[0].tiers)
+    assert 200 > kept[1] > kept[1.5] > kept[2]
+
+
+@pytest.mark.parametrize(("tiers_key_bits", "options", "model_kw", "message"), [
+    (1.3, {}, {}, r"key_bits: key bits 1.3 are not a multiple of 0.25 in \[0.25, 8\]"),
+    (8.5, {}, {}, r"key bits 8.5 are not a multiple of 0.25"),
+    (1.5, {"coding": "kivi", "key_rope": "post"}, {},
+     r"tiers.key_bits=1.5 is not allowed: 2, 3, 4 or 8 with coding: kivi \(multiples of 0.25 up to 8 with coding: "
+     r"transform\)"),
+    (1.25, {}, {"head_dim": 8},
+     r"tiers.key_bits=1.25 is not allowed: a width whose bits per token, key_bits x 16 key components "
+     r"\(num_kv_heads x head_dim\), are a multiple of 8 on this model: 0.5, 1, 1.5, 2"),
+])
+def test_a_key_width_the_codes_cannot_hold_is_refused_by_name(tiers_key_bits, options, model_kw, message):
+    model = tiny_model("llama", **model_kw)
+    with pytest.raises(SpecError, match=message):
+        kvstack.apply(model, pruned(tiers_key_bits, **options))
+
+
 # ------------------------------------------------------------------------------------------------ architectures
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transform_coding_runs_on_every_architecture(arch):

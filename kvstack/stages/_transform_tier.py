@@ -6,7 +6,8 @@ position and expressed in an orthonormal basis ``U`` [C, C] (C = Hkv * Dk) that 
 of the energy in a few components. A :class:`ComponentCode` fitted on the tier's first tokens spends
 ``key_bits * C`` bits per token over those components by their variance, each component with its own Lloyd-Max
 levels (transform coding as in KVTC, arXiv 2511.01815; the allocation and the levels adapt to each cache). No scale or
-zero point per token or group. The basis (``key_basis``):
+zero point per token or group. ``key_bits`` is an average, so it may be fractional (a multiple of 1/4 whose total,
+``key_bits * C``, is whole bytes: :func:`key_code_bits`). The basis (``key_basis``):
 
 * ``weights`` — the left singular vectors of the layer's ``k_proj`` weight
   (:func:`kvstack.kernels.transform_code.weight_basis`): nothing to fit, but blind to how anisotropic the layer's
@@ -72,11 +73,18 @@ def coder_levels(components: int, bits: int) -> int:
     return math.ceil(LEVELS_FACTOR * uniform_levels(components, bits))
 
 
+def key_code_bits(shape, key_bits: float) -> int | None:
+    """Bits of one token's key code, ``key_bits x C`` (C = Hkv x Dk); None unless a whole multiple of 8 (the codes
+    are packed in whole bytes per width block)."""
+    total = key_bits * shape.num_kv_heads * shape.head_dim
+    return int(total) if float(total).is_integer() and int(total) % 8 == 0 else None
+
+
 def levels_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if model_dtype == torch.float32 else torch.float16
 
 
-def coder_bytes(shape, key_bits: int, dtype: torch.dtype) -> int:
+def coder_bytes(shape, key_bits: float, dtype: torch.dtype) -> int:
     """Bytes per layer of one level's key coder: order int16, offsets int32, centre float32 per component, and its
     levels."""
     c = shape.num_kv_heads * shape.head_dim
@@ -207,7 +215,7 @@ class TransformCodedTier(ExactTier):
 
     _tensor_names = ("key_codes", "value_codes", "value_scale", "value_zero", "positions")
 
-    def __init__(self, key_bits: int, bits: int, value_group: int, dtype: torch.dtype, label: str, name: str,
+    def __init__(self, key_bits: float, bits: int, value_group: int, dtype: torch.dtype, label: str, name: str,
                  basis: torch.Tensor, codec, holds_codec_tensors: bool = True):
         self.name, self.label = name, label
         self.key_bits, self.bits, self.value_group, self.dtype = key_bits, bits, value_group, dtype
@@ -238,7 +246,8 @@ class TransformCodedTier(ExactTier):
 
     def _fit(self, y: torch.Tensor, valid: torch.Tensor) -> None:
         c = y.shape[-1]
-        code = ComponentCode.fit(y.reshape(-1, c)[valid.reshape(-1)], self.key_bits * c, coder_levels(c, self.key_bits))
+        total = round(self.key_bits * c)  # a multiple of 8: checked with the spec (key_code_bits)
+        code = ComponentCode.fit(y.reshape(-1, c)[valid.reshape(-1)], total, coder_levels(c, self.key_bits))
         if self.dtype != torch.float32:
             if bool((code.levels.abs() > FLOAT16_LIMIT).any()):
                 raise QuantizationError(
@@ -347,7 +356,7 @@ class TransformCodedTier(ExactTier):
         self._select_token_data(index)
 
 
-def transform_tier(shape, layer_idx: int, key_bits: int, bits: int, value_group: int, label: str, name: str, codec,
+def transform_tier(shape, layer_idx: int, key_bits: float, bits: int, value_group: int, label: str, name: str, codec,
                    holds_codec_tensors: bool = True, basis: str = "weights") -> TransformCodedTier:
     """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys;
     ``basis``: the stage's ``key_basis``)."""
@@ -355,7 +364,7 @@ def transform_tier(shape, layer_idx: int, key_bits: int, bits: int, value_group:
                               codec, holds_codec_tensors)
 
 
-def transform_token_bytes(shape, key_bits: int, bits: int, value_group: int, scale_bytes: int,
+def transform_token_bytes(shape, key_bits: float, bits: int, value_group: int, scale_bytes: int,
                           extra_per_token: float = 0.0) -> float:
     """Bytes of one token per batch row: its key codes, its values' codes, scales and zero points, and
     ``extra_per_token`` (positions, records)."""
@@ -366,6 +375,7 @@ def transform_token_bytes(shape, key_bits: int, bits: int, value_group: int, sca
 
 __all__ = [
     "CALIBRATION_SKIP", "FIT_TOKENS", "LEVELS_FACTOR", "SAMPLED_SEED", "SAMPLED_SEQUENCES", "SAMPLED_TOKENS",
-    "TransformCodedTier", "calibrate_key_bases", "coder_bytes", "coder_levels", "key_basis", "key_projection",
+    "TransformCodedTier", "calibrate_key_bases", "coder_bytes", "coder_levels", "key_basis", "key_code_bits",
+    "key_projection",
     "pre_rope_vectors", "transform_tier", "transform_token_bytes",
 ]

@@ -51,10 +51,10 @@ band goes to the best-ranked token that still holds that precision.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
@@ -63,13 +63,31 @@ from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from ._quant_options import QuantOptions
-from ._transform_tier import calibrate_key_bases, coder_bytes, transform_tier, transform_token_bytes
+from ._transform_tier import calibrate_key_bases, coder_bytes, key_code_bits, transform_tier, transform_token_bytes
 from .quantize import (
     QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
 )
 from .scorers import ScorerOptions, get_scorer, keep_order, union_scores
 
 LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a token is moving to
+
+
+#: steps of a fractional key width (``coding: transform`` spends ``key_bits x C`` bits per token over its components)
+KEY_BITS_STEP = 0.25
+
+
+def _key_width(value: float) -> float | int:
+    """An integral width as an int (``4``, not ``4.0``: tier names and messages read ``k4v3``); others as given."""
+    if value != value or not KEY_BITS_STEP <= value <= 8 or (value / KEY_BITS_STEP) % 1:
+        raise ValueError(
+            f"key bits {value:g} are not a multiple of {KEY_BITS_STEP} in [{KEY_BITS_STEP}, 8] (integers 1-8; "
+            "with coding: kivi 2, 3, 4 or 8)"
+        )
+    return int(value) if float(value).is_integer() else float(value)
+
+
+#: the keys' bits per element: an integer, or (``coding: transform``) a multiple of :data:`KEY_BITS_STEP`
+KeyBits = Annotated[float, AfterValidator(_key_width)]
 
 
 class PrecisionTier(BaseModel):
@@ -81,10 +99,11 @@ class PrecisionTier(BaseModel):
     bits: Literal[2, 3, 4, 8, 16] = Field(
         description="Bits per element (16: the full-precision tier; 3: 8 codes in 3 bytes, group sizes multiples of 8)."
     )
-    key_bits: Literal[1, 2, 3, 4, 5, 6, 7, 8] | None = Field(
+    key_bits: KeyBits | None = Field(
         default=None,
         description="The keys' bits when they differ from the values' (default: bits; quantized levels only): 2, 3, 4 "
-        "or 8 with coding: kivi, 1 to 8 (the average per element) with coding: transform.",
+        "or 8 with coding: kivi; with coding: transform the average per element, a multiple of 0.25 from 0.25 to 8 "
+        "whose total per token (key_bits x num_kv_heads x head_dim) is a multiple of 8 bits.",
     )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
@@ -105,8 +124,8 @@ class PrecisionTier(BaseModel):
         return self
 
     @property
-    def keys(self) -> int:
-        """The keys' bits."""
+    def keys(self) -> float:
+        """The keys' bits (fractional only with coding: transform)."""
         return self.bits if self.key_bits is None else self.key_bits
 
     @property
@@ -141,10 +160,10 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         description="{layer index: bits}: the quantized level's bits in those layers (one quantized level; the other "
         "layers keep its bits). With a budget, each layer's share follows what its quantized tokens cost.",
     )
-    layer_key_bits: dict[int, Literal[1, 2, 3, 4, 5, 6, 7, 8]] | None = Field(
+    layer_key_bits: dict[int, KeyBits] | None = Field(
         default=None,
         description="{layer index: bits}: the keys' bits of the quantized level in those layers (after layer_bits; "
-        "the values keep theirs). Shares as for layer_bits.",
+        "the values keep theirs; widths as for tiers' key_bits). Shares as for layer_bits.",
     )
 
     def inactive_options(self) -> set[str]:
@@ -248,7 +267,9 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             odd = sorted(keys - set(PACK_UNIT))
             if odd:
                 field = "tiers.key_bits" if any(t.key_bits in odd for t in self.tiers or []) else "layer_key_bits"
-                raise spec_error(field, odd[0], "2, 3, 4 or 8 with coding: kivi (1 to 8 with coding: transform)")
+                raise spec_error(
+                    field, odd[0], "2, 3, 4 or 8 with coding: kivi (multiples of 0.25 up to 8 with coding: transform)"
+                )
             for bits in keys:
                 check_quant_params(bits, self.group_size, None, None)
         for bits in values:
@@ -265,6 +286,17 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         for bits in self.bit_widths()[1]:
             check_quant_shape(shape, bits, value_group)
         self.check_quant_options_for(shape, self.quantized_bits())
+        if self.transform_coded:
+            for bits in sorted(self.bit_widths()[0]):
+                if key_code_bits(shape, bits) is None:
+                    field = "tiers.key_bits" if any(t.keys == bits for t in self.tiers or []) else "layer_key_bits"
+                    c = shape.num_kv_heads * shape.head_dim
+                    steps = [k * KEY_BITS_STEP for k in range(1, 33) if key_code_bits(shape, k * KEY_BITS_STEP)]
+                    raise spec_error(
+                        field, bits,
+                        f"a width whose bits per token, key_bits x {c} key components (num_kv_heads x head_dim), "
+                        f"are a multiple of 8 on this model: {', '.join(f'{_key_width(k)}' for k in steps[:6])}, ...",
+                    )
         for name, per_layer in self._per_layer().items():
             if max(per_layer) >= shape.num_layers:
                 raise spec_error(
