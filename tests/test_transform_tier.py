@@ -354,17 +354,44 @@ def test_a_calibrated_stack_codes_keys_in_that_basis_and_remove_forgets_it():
 
 
 def test_without_calibration_the_model_samples_its_own_text_deterministically():
-    model = tiny_model("llama", head_dim=16)
     spec = stage(bits=2, key_basis="calibrated")
     rng = torch.random.get_rng_state()
     bases = []
-    for _ in range(2):
+    for _ in range(2):  # two instances of the same model: each samples and fits
+        model = tiny_model("llama", head_dim=16)
         with kvstack.applied(model, spec):
             bases.append(key_basis(ModelShape.from_model(model), 0, "calibrated").clone())
     assert torch.equal(torch.random.get_rng_state(), rng)  # the sampling's seed is its own
     assert torch.equal(bases[0], bases[1])
     with kvstack.applied(model, spec, calibration=_calibration()):
         assert not torch.equal(key_basis(ModelShape.from_model(model), 0, "calibrated"), bases[0])
+
+
+def test_applying_again_reuses_the_fit_until_the_weights_or_the_calibration_change():
+    """The second apply of a calibrated stack to the same model runs nothing (no forward, the very same bases); an
+    in-place change of a weight or other calibration text fits again."""
+    model = tiny_model("llama", head_dim=16)
+    spec = stage(bits=2, key_basis="calibrated")
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+
+    def fit(calibration=None):
+        forwards.clear()
+        with kvstack.applied(model, spec, calibration=calibration):
+            return key_basis(ModelShape.from_model(model), 0, "calibrated"), len(forwards)
+
+    first, ran = fit()
+    assert ran > 0
+    again, ran = fit()
+    assert ran == 0 and again is first
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    changed, ran = fit()
+    assert ran > 0 and changed is not first
+    assert fit()[1] == 0
+    text, ran = fit(_calibration())
+    assert ran == len(_calibration()) and not torch.equal(text, changed)
+    assert fit(_calibration())[1] == 0 and fit(_calibration(seed=3))[1] == len(_calibration())
 
 
 def test_calibration_that_cannot_fit_a_basis_is_refused_and_leaves_the_model_as_it_was():

@@ -39,6 +39,7 @@ since the last fit, until it was fitted on :data:`FIT_TOKENS` tokens.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 
@@ -116,6 +117,9 @@ def key_projection(module, kv_heads: int, head_dim: int) -> torch.Tensor:
 
 #: attention module -> its calibrated key basis (set by calibrate_key_bases, removed with the stack)
 _CALIBRATED: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+#: model -> (what its last bases were fitted from, those bases {layer: basis}): applying a calibrated stack again to
+#: unchanged weights with the same calibration reuses them instead of sampling and running the model again
+_FITTED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _attention_module(model, layer_idx: int):
@@ -167,13 +171,43 @@ def calibrate_key_bases(model, calibration=None, stage: str = "key_basis=calibra
     """Fit every caching layer's ``calibrated`` key basis: the eigenvectors (by decreasing eigenvalue) of the
     covariance of its pre-RoPE key vectors over ``calibration`` (token ids, as ``kvstack.apply`` takes them; None:
     sequences the model samples itself), each sequence's first :data:`CALIBRATION_SKIP` positions left out. Runs the
-    model as it is (its own attention and the cache it makes for itself). Returns the undo (forgets the bases)."""
-    if calibration is None:
-        seqs = sampled_sequences(model, SAMPLED_SEQUENCES, SAMPLED_TOKENS, SAMPLED_SEED, stage)
-    else:
-        seqs = calibration_sequences(calibration, stage)
-    shape = ModelShape.from_model(model)
+    model as it is (its own attention and the cache it makes for itself). The last fit is kept with the model (weakly)
+    and reused while its parameters, layers and calibration are the same (:func:`_fit_source`), so applying a
+    calibrated stack again costs nothing. Returns the undo (the layers forget their bases)."""
+    seqs = None if calibration is None else calibration_sequences(calibration, stage)
     modules = caching_attention_modules(model)
+    source = _fit_source(model, modules, seqs)
+    fitted = _FITTED.get(model)
+    if fitted is not None and fitted[0] == source:
+        bases = fitted[1]
+    else:
+        if seqs is None:
+            seqs = sampled_sequences(model, SAMPLED_SEQUENCES, SAMPLED_TOKENS, SAMPLED_SEED, stage)
+        bases = _fit_bases(model, modules, seqs, stage)
+        _FITTED[model] = (source, bases)
+    for layer_idx, basis in bases.items():
+        _CALIBRATED[modules[layer_idx]] = basis
+
+    def undo() -> None:
+        for layer_idx in bases:
+            _CALIBRATED.pop(modules[layer_idx], None)
+
+    return undo
+
+
+def _fit_source(model, modules, seqs) -> tuple:
+    """What a fit depends on: every parameter as it is now (storage and in-place version: surgery or training
+    changes it), the caching layers, and the calibration (its token ids; None: the seeded sample)."""
+    weights = tuple((p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for p in model.parameters())
+    if seqs is None:
+        text = ("sampled", SAMPLED_SEQUENCES, SAMPLED_TOKENS, SAMPLED_SEED)
+    else:
+        text = tuple(hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest() + str(tuple(ids.shape)) for ids in seqs)
+    return weights, tuple((i, id(m)) for i, m in modules.items()), text
+
+
+def _fit_bases(model, modules, seqs, stage: str) -> dict[int, torch.Tensor]:
+    shape = ModelShape.from_model(model)
     inv_freq = {layer_idx: rope_frequencies(shape, layer_idx) for layer_idx in modules}
     device = next(model.parameters()).device
     moments: dict[int, list] = {}
@@ -197,14 +231,7 @@ def calibrate_key_bases(model, calibration=None, stage: str = "key_basis=calibra
         mean = total / count
         covariance = (square - count * torch.outer(mean, mean)) / (count - 1)
         bases[layer_idx] = torch.linalg.eigh(covariance)[1].flip(-1).float().contiguous()
-    for layer_idx, basis in bases.items():
-        _CALIBRATED[modules[layer_idx]] = basis
-
-    def undo() -> None:
-        for layer_idx in bases:
-            _CALIBRATED.pop(modules[layer_idx], None)
-
-    return undo
+    return bases
 
 
 # ---------------------------------------------------------------------------------------------- the tier
