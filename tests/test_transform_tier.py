@@ -271,6 +271,28 @@ def test_a_fractional_key_width_keeps_a_budget_and_buys_tokens_between_its_neigh
     assert 200 > kept[1] > kept[1.5] > kept[2]
 
 
+def test_the_sinks_keep_the_fill_tier_when_the_levels_below_could_take_every_byte():
+    """Keys at 1.5 bits and values at 2 under ``ratio: 0.1`` cost about the whole budget per token: the levels below
+    could hold nearly every token and leave the fill tier nothing. The 4 sinks (``n_sink``: always in the top tier)
+    stay at 16 bits after the prompt and every decode step, the oldest other tokens leave instead, and the budget
+    holds."""
+    model = tiny_model("llama", head_dim=16)
+    spec = pruned(1.5, bits=2, n_sink=4, scale_dtype="float16", every=1)
+    spec["stages"][0]["tiers"][0] = {"fill": True, "bits": 16}
+    spec["budget"] = {"ratio": 0.1}
+    spec = kvstack.StackSpec.load(spec)
+    ids = torch.randint(3, 128, (1, 220), generator=torch.Generator().manual_seed(8))
+    with kvstack.applied(model, spec), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids[:, :200], cache=cache)
+        for t in range(200, 220):
+            for layer in cache.layers:
+                assert set(range(4)) <= set(layer.full.positions[0, 0].tolist()), layer.full.positions
+                assert tier_of(cache, layer.layer_idx).num_tokens < t - 4  # the levels below gave up tokens
+            assert cache.memory_bytes() <= 0.1 * kvstack.full_cache_bytes(model.config, t)
+            model(ids[:, t : t + 1], cache=cache)
+
+
 @pytest.mark.parametrize(("tiers_key_bits", "options", "model_kw", "message"), [
     (1.3, {}, {}, r"key_bits: key bits 1.3 are not a multiple of 0.25 in \[0.25, 8\]"),
     (8.5, {}, {}, r"key bits 8.5 are not a multiple of 0.25"),

@@ -17,7 +17,8 @@ Two forms:
   comes from the budget and the fractions split it. A first tier with ``fill: true`` is sized by bytes instead: the
   tiers below keep every token they can hold, and the fill tier takes the best-ranked of them as far as the bytes
   left allow (``[{fill: true, bits: 16}, {rest: true, bits: 3}]`` with ``scorer: window``: KIVI's full-precision
-  residual sized to the budget; preset ``kivi-3-budget``).
+  residual sized to the budget; preset ``kivi-3-budget``). The protected tokens (sinks, ``recent``, the scorer's
+  window) are the fill tier's first: the tiers below keep only as many tokens as leave room for them.
 * ``bits`` with a budget: tokens that eviction to that budget would keep stay in full precision, the tokens it would
   drop are demoted to ``bits`` instead (nothing is evicted).
 
@@ -385,6 +386,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             fixed=self.fixed_bytes(shape, dtype, layer_idx), fill=fill,
             group=1 if self.transform_coded else self.group_size,
             scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
+            protected=self.n_sink + max(self.recent, get_scorer(self.scorer)(self, shape).protected_recent()),
         )
 
     def slot_bytes(self, shape, dtype, level: PrecisionTier, extra: int):
@@ -450,14 +452,17 @@ class LevelSplit:
     With a ``fill`` tier (level 0), ``N`` is the most tokens the levels below hold within the limit (the fill tier
     gives up its room to the tokens that arrive before the next assignment), and ``fill_count`` is how many of the
     best-ranked of them the bytes left — less that ``slack`` — keep at the fill tier's precision; the levels below
-    split the other ``N - fill`` by their fractions."""
+    split the other ``N - fill`` by their fractions. The ``protected`` best-ranked tokens (the sinks and the recent
+    window, ranked first) are the fill tier's before the levels below take any room: ``N`` is then the most tokens
+    whose cost with them at the fill tier's precision, and the slack, fits."""
 
     def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0,
-                 fill: bool = False, group: int = 1, scale: float = 1.0):
+                 fill: bool = False, group: int = 1, scale: float = 1.0, protected: int = 0):
         self.budget, self.reference, self.costs = budget, reference, costs
         self.promise = None if budget is None else LayerPromise(budget, scale, reference)  # the layer's limit
         self.full, self.slack, self.cumulative, self.fixed = full, slack, cumulative, fixed
         self.fill, self.group = fill, group  # a fill tier; the key group of the quantized levels
+        self.protected = protected if fill else 0  # tokens the fill tier holds first
         self._cache: dict[tuple, int] = {}
 
     def counts(self, n: int, fill: int = 0) -> list[int]:
@@ -493,8 +498,11 @@ class LevelSplit:
             limit -= self._slack_bytes(limit)
             # each pass gives the fill tier what the levels below leave; they cost no more with fewer tokens, so
             # every x found stays within the limit as it grows. The levels below shrink a key group at a time, so
-            # past a fixed point one more group's worth of candidates is tried before stopping.
-            x = 0
+            # past a fixed point one more group's worth of candidates is tried before stopping. The protected
+            # tokens start it (``cap`` left room for them whenever it could).
+            x = min(self.protected, n)
+            if self.cost(n, x) > limit:
+                x = 0
             while True:
                 room = limit - (self.cost(n, x) - self.costs[0](x))
                 grown = _most(self.costs[0], room, n)
@@ -525,17 +533,22 @@ class LevelSplit:
             if limit <= 0:
                 self._cache[key] = 0
                 return 0
-            if not self.fill:  # a fill tier gives its room to the tokens that arrive meanwhile
-                limit -= self._slack_bytes(limit)
+            if not self.fill or self.protected:  # a fill tier gives its room to the tokens that arrive meanwhile,
+                limit -= self._slack_bytes(limit)  # unless that room is the protected tokens'
+            protected = self.protected
             top = None if self.budget.tokens is None else self.budget.tokens + 1
+
+            def fits(n: int) -> bool:  # monotone in n
+                return self.cost(n, min(protected, n)) <= limit
+
             lo, hi = 0, 1
-            while self.cost(hi) <= limit and (top is None or hi < top):  # cost is monotone in n
+            while fits(hi) and (top is None or hi < top):
                 lo, hi = hi, 2 * hi
             if top is not None:
                 hi = min(hi, top)
             while hi - lo > 1:  # the largest n that fits
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if self.cost(mid) <= limit else (lo, mid)
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             self._remember(key, lo)
         return self._cache[key]
 
