@@ -453,8 +453,8 @@ class LevelSplit:
     gives up its room to the tokens that arrive before the next assignment), and ``fill_count`` is how many of the
     best-ranked of them the bytes left — less that ``slack`` — keep at the fill tier's precision; the levels below
     split the other ``N - fill`` by their fractions. The ``protected`` best-ranked tokens (the sinks and the recent
-    window, ranked first) are the fill tier's before the levels below take any room: ``N`` is then the most tokens
-    whose cost with them at the fill tier's precision, and the slack, fits."""
+    window, ranked first) are the fill tier's before the levels below or the arrivals take any room: ``N`` is the
+    most tokens whose cost with them at the fill tier's precision fits."""
 
     def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0,
                  fill: bool = False, group: int = 1, scale: float = 1.0, protected: int = 0):
@@ -494,14 +494,15 @@ class LevelSplit:
             return 0
         key = ("fill", seen, reserved, n)
         if key not in self._cache:
-            limit = self._limit(seen, reserved)
-            limit -= self._slack_bytes(limit)
+            whole = self._limit(seen, reserved)
+            limit = whole - self._slack_bytes(whole)
             # each pass gives the fill tier what the levels below leave; they cost no more with fewer tokens, so
             # every x found stays within the limit as it grows. The levels below shrink a key group at a time, so
             # past a fixed point one more group's worth of candidates is tried before stopping. The protected
-            # tokens start it (``cap`` left room for them whenever it could).
+            # tokens start it, before the room for arrivals (``cap`` left room for them whenever it could; a layer
+            # that goes over its limit before the next assignment is re-assigned then).
             x = min(self.protected, n)
-            if self.cost(n, x) > limit:
+            if self.cost(n, x) > whole:
                 x = 0
             while True:
                 room = limit - (self.cost(n, x) - self.costs[0](x))
@@ -533,8 +534,8 @@ class LevelSplit:
             if limit <= 0:
                 self._cache[key] = 0
                 return 0
-            if not self.fill or self.protected:  # a fill tier gives its room to the tokens that arrive meanwhile,
-                limit -= self._slack_bytes(limit)  # unless that room is the protected tokens'
+            if not self.fill:  # a fill tier gives its room to the tokens that arrive meanwhile
+                limit -= self._slack_bytes(limit)
             protected = self.protected
             top = None if self.budget.tokens is None else self.budget.tokens + 1
 
