@@ -540,3 +540,32 @@ def test_a_random_rotation_comes_out_of_the_budget_before_any_token():
             assert (layer.tiers[1].codec.rotation is not None) == kept
             assert (int(layer.kept_counts().max()) > 0) == kept
     assert held > 0.2 * cache.full_bytes()
+
+
+def _smollm2_shape():
+    """SmolLM2-135M's cache dimensions in bf16 (30 layers, 3 KV heads of 64; no weights needed for the sizing)."""
+    from transformers import LlamaConfig
+
+    from kvstack.stack.shape import ModelShape
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    return ModelShape.from_config(config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("preset", "sinks_from", "every_token_from"),
+                         [("kivi-3-budget", 17, 551), ("transform-budget", 75, 966)])
+def test_the_budget_presets_keep_every_token_from_the_documented_length_with_the_sinks_at_16_bits(
+    preset, sinks_from, every_token_from
+):
+    """docs/quantization.md ("A tier that fills the budget"): under a quarter of SmolLM2's bf16 cache the preset's
+    levels, with its 4 sinks at 16 bits, hold every token of a prompt from ``every_token_from`` tokens on (shorter
+    ones drop their oldest tokens after the sinks), and the 4 sinks are in the 16-bit fill tier from ``sinks_from``
+    tokens on (before, the budget, less the coders' fixed bytes, cannot hold them: they yield, the first sinks last)."""
+    shape = _smollm2_shape()
+    spec = kvstack.StackSpec.load(preset)
+    split = spec.stages[0].level_split(shape, torch.bfloat16, spec.budget, None, 0)
+    short = [n for n in range(8, 2048) if split.cap(n) < n]
+    assert max(short) + 1 == every_token_from
+    fill = {n: split.fill_count(n, 0, min(split.cap(n), n)) for n in range(4, 2048)}
+    assert fill[sinks_from - 1] < 4 and all(fill[n] >= 4 for n in range(sinks_from, 2048))

@@ -58,6 +58,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvstack.kernels.quant_pack import PACK_UNIT
+from kvstack.kernels.transform_code import MAX_BITS
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
 from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
@@ -75,13 +76,15 @@ LEVEL_RECORD = "quantized_prune.level"  # transient per-token record: the tier a
 
 #: steps of a fractional key width (``coding: transform`` spends ``key_bits x C`` bits per token over its components)
 KEY_BITS_STEP = 0.25
+#: widths of a quantized level's keys go up to the coder's widest code of one component
+KEY_WIDTHS = [k * KEY_BITS_STEP for k in range(1, int(MAX_BITS / KEY_BITS_STEP) + 1)]
 
 
 def _key_width(value: float) -> float | int:
     """An integral width as an int (``4``, not ``4.0``: tier names and messages read ``k4v3``); others as given."""
-    if value != value or not KEY_BITS_STEP <= value <= 8 or (value / KEY_BITS_STEP) % 1:
+    if value != value or not KEY_BITS_STEP <= value <= MAX_BITS or (value / KEY_BITS_STEP) % 1:
         raise ValueError(
-            f"key bits {value:g} are not a multiple of {KEY_BITS_STEP} in [{KEY_BITS_STEP}, 8] (integers 1-8; "
+            f"key bits {value:g} are not a multiple of {KEY_BITS_STEP} in [{KEY_BITS_STEP}, {MAX_BITS}] (integers 1-8; "
             "with coding: kivi 2, 3, 4 or 8)"
         )
     return int(value) if float(value).is_integer() else float(value)
@@ -292,7 +295,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 if key_code_bits(shape, bits) is None:
                     field = "tiers.key_bits" if any(t.keys == bits for t in self.tiers or []) else "layer_key_bits"
                     c = shape.num_kv_heads * shape.head_dim
-                    steps = [k * KEY_BITS_STEP for k in range(1, 33) if key_code_bits(shape, k * KEY_BITS_STEP)]
+                    steps = [k for k in KEY_WIDTHS if key_code_bits(shape, k)]
                     raise spec_error(
                         field, bits,
                         f"a width whose bits per token, key_bits x {c} key components (num_kv_heads x head_dim), "
@@ -386,8 +389,12 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             fixed=self.fixed_bytes(shape, dtype, layer_idx), fill=fill,
             group=1 if self.transform_coded else self.group_size,
             scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
-            protected=self.n_sink + max(self.recent, get_scorer(self.scorer)(self, shape).protected_recent()),
+            protected=self.n_sink + self.protected_recent(shape),
         )
+
+    def protected_recent(self, shape) -> int:
+        """Newest positions always in the top tier: ``recent``, or the scorer's own window when it is larger."""
+        return max(self.recent, get_scorer(self.scorer)(self, shape).protected_recent())
 
     def slot_bytes(self, shape, dtype, level: PrecisionTier, extra: int):
         """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options;
@@ -584,7 +591,7 @@ class QuantizedPruneStage(Stage):
     def __init__(self, spec, shape, stack_budget) -> None:
         super().__init__(spec, shape, stack_budget)
         self.scorer = get_scorer(spec.scorer)(spec, shape)
-        self.recent = max(spec.recent, self.scorer.protected_recent())
+        self.recent = spec.protected_recent(shape)
         self.value_group = value_group_for(spec.value_group_size, spec.group_size, shape)
         self.key = f"quantized_prune:{id(self)}"
         self._splits: dict[tuple, LevelSplit] = {}
