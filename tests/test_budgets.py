@@ -93,8 +93,9 @@ def test_memory_never_exceeds_the_budget(scenario):
 @st.composite
 def quantized_prune_options(draw):
     """A quantized_prune stack with the precision options (3 and 2 bits, rotations, pre-RoPE keys, nf levels, cheaper
-    scales, other bits in one layer, transform-coded keys at any width) under a random budget: the level costs it
-    sizes with must be exact for every option, and the layers' shares must sum to the budget."""
+    scales, other bits in one layer, transform-coded keys at any width, with or without a scale per token) under a
+    random budget: the level costs it sizes with must be exact for every option, and the layers' shares must sum to
+    the budget."""
     dtype = draw(st.sampled_from(DTYPES))
     cheaper = ["model", "float8_e4m3fn"] + (["float16", "bfloat16"] if dtype == torch.float32 else [])
     tiers = draw(st.sampled_from([
@@ -114,7 +115,8 @@ def quantized_prune_options(draw):
     }
     transform = draw(st.booleans())
     if transform:  # keys transform-coded (pre-RoPE; values stay KIVI's), every head the same tokens
-        stage.update(coding="transform", key_rope="pre", head_wise=False)
+        key_scale = draw(st.sampled_from(["none", "token"]))
+        stage.update(coding="transform", key_rope="pre", head_wise=False, key_scale=key_scale)
     # transform-coded widths are averages: halves fill whole bytes for every head_dim drawn (C = 2 x head_dim >= 16)
     key_widths = st.sampled_from([0.5, 1, 1.5, 2, 2.5, 3, 4, 5.5, 8]) if transform else st.sampled_from([2, 3, 4, 8])
     if draw(st.booleans()):  # keys at other bits than the values on the last level

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstack.kernels.transform_code import (
-    BLOCK, ComponentCode, _pack, _unpack, allocate_widths, gaussian_lloyd, lloyd_levels, transform_reference,
-    uniform_levels, weight_basis,
+    BLOCK, ComponentCode, _pack, _unpack, allocate_widths, fit_token_scale, gaussian_lloyd, lloyd_levels,
+    scale_tokens, transform_reference, uniform_levels, weight_basis,
 )
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,3 +185,23 @@ def test_the_weight_basis_is_orthonormal_and_decorrelates_outputs_of_white_input
     assert torch.all(cov.diagonal()[:-1] >= 0.9 * cov.diagonal()[1:])  # most energetic first
     tall = weight_basis(torch.randn(24, 8, generator=g))  # more outputs than inputs: completed to a square basis
     assert torch.allclose(tall.T @ tall, torch.eye(24), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ gain-shape
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]))
+@settings(max_examples=20, deadline=None)
+def test_scale_tokens_is_an_exact_decomposition_with_the_rounded_scale(seed, dtype):
+    """``mean + s rms z`` gives every vector back (to float32 rounding) whatever format ``s`` is rounded to, each ``z``
+    has a root mean square of about 1 (the rounding's relative step), and a vector equal to the mean gets the smallest
+    normal scale and ``z = 0`` instead of a division by zero."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(64, 16, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 2) + 3.0
+    mean, rms = fit_token_scale(y)
+    y[0] = mean
+    z, s = scale_tokens(y, mean, rms, dtype)
+    assert s.dtype == dtype and s.shape == (64,)
+    back = mean + (s.float() * rms)[:, None] * z
+    assert torch.allclose(back, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+    step = max(torch.finfo(dtype).eps, 1e-5)  # the rounding of s, or float32 arithmetic
+    assert float(s[0].float()) == torch.finfo(dtype).smallest_normal and float(z[0].abs().max()) == 0.0
+    assert torch.allclose(z[1:].pow(2).mean(-1).sqrt(), torch.ones(63), rtol=step)

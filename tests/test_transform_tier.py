@@ -14,6 +14,7 @@ from stepping import run
 from transformers import DynamicCache
 
 import kvstack
+from kvstack.kernels.rope import apply_rope, rope_angles
 from kvstack.stack.cache import KVStackCache
 from kvstack.stack.errors import KVStackError, SpecError
 from kvstack.stack.shape import ModelShape
@@ -66,35 +67,38 @@ def test_kv_width_not_a_multiple_of_eight_is_refused_against_the_model():
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4):
+def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_scale="none"):
     """Independent count: residual tokens in full precision; each other token ``bits`` per element of every head's
-    keys, its values' codes with a scale and zero point per ``g`` channels, and an int32 position; per layer, once a
-    token is coded, the key coder (order int16, offsets int32, centre float32 per component; 1.5 x C x 2^bits
-    levels)."""
+    keys (with ``key_scale: token`` and its scale), its values' codes with a scale and zero point per ``g`` channels,
+    and an int32 position; per layer, once a token is coded, the key coder (order int16, offsets int32, centre float32
+    per component; 1.5 x C x 2^bits levels; with ``key_scale: token`` a float32 mean per component and one mean
+    RMS)."""
     cfg = model.config
     h, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     x = prefill - g * (max(prefill - residual, 0) // g) + (seen - prefill)
     r = residual + (x - residual) % g if x >= residual + g else x
     q = seen - r
     level_item = 4 if item == 4 else 2
-    coder = h * d * 10 + -(-3 * h * d * 2**bits // 2) * level_item if q else 0
-    per_token = h * d * bits // 8 + h * (d * bits // 8 + 2 * item * (d // g)) + 4
+    scaled = key_scale == "token"
+    coder = h * d * 10 + -(-3 * h * d * 2**bits // 2) * level_item + scaled * (h * d + 1) * 4 if q else 0
+    per_token = h * d * bits // 8 + scaled * item + h * (d * bits // 8 + 2 * item * (d // g)) + 4
     return layers * (batch * (r * (h * 2 * d * item + 4) + q * per_token) + coder)
 
 
 @FAST
 @given(bits=st.sampled_from([2, 3, 4, 8]), g=st.sampled_from([8, 16]), groups_residual=st.integers(0, 2),
-       prefill=st.integers(1, 40), steps=st.integers(0, 10), batch=st.integers(1, 2))
-def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefill, steps, batch):
+       prefill=st.integers(1, 40), steps=st.integers(0, 10), batch=st.integers(1, 2),
+       key_scale=st.sampled_from(["none", "token"]))
+def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefill, steps, batch, key_scale):
     model = tiny_model("llama")
-    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual))
+    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual, key_scale=key_scale))
     ids = torch.randint(3, 128, (batch, prefill + steps), generator=torch.Generator().manual_seed(prefill))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         model(ids[:, :prefill], cache=cache)
         for t in range(prefill, prefill + steps + 1):
             seen = cache.get_seq_length()
-            expected = expected_bytes(model, seen, prefill, batch, bits, g, g * groups_residual)
+            expected = expected_bytes(model, seen, prefill, batch, bits, g, g * groups_residual, key_scale=key_scale)
             assert cache.memory_bytes() == expected == spec.memory_bound(model.config, seen, batch, prefill_len=prefill)
             if t < prefill + steps:
                 model(ids[:, t : t + 1], cache=cache)
@@ -111,13 +115,13 @@ def test_levels_are_float16_in_16_bit_models_and_the_coders_bytes_are_fixed():
 
 
 # ------------------------------------------------------------------------------------------------ attention
-@pytest.mark.parametrize("bits", [2, 4])
-def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits):
+@pytest.mark.parametrize(("bits", "key_scale"), [(2, "none"), (4, "none"), (3, "token")])
+def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits, key_scale):
     """After a prompt, every layer's tier is decoded into a DynamicCache; the model's next-token logits through that
     cache and plain attention equal the stack's own (residual 0: every token is coded)."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(bits))
-    spec = kvstack.StackSpec.load(stage(bits=bits, group_size=8, residual=0))
+    spec = kvstack.StackSpec.load(stage(bits=bits, group_size=8, residual=0, key_scale=key_scale))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         model(ids[:, :32], cache=cache)
@@ -159,13 +163,71 @@ def test_decoded_keys_are_close_to_what_the_tier_received():
     assert float((keys - k).norm() / k.norm()) < 0.15 and float((values - v).norm() / v.norm()) < 0.15
 
 
+# ------------------------------------------------------------------------------------------------ key_scale
+def _loud_and_quiet_tier(key_scale: str, scale_dtype: str = "model", dtype=torch.float32):
+    """A tier fed 256 tokens whose pre-RoPE keys are Gaussian times a per-token gain from 1/30 to 30 (log-uniform): a
+    spread of norms no set of levels fitted to all tokens resolves. Each key comes with its negation, so their mean is
+    exactly zero and the centred keys are the keys. Returns (tier, exact post-RoPE keys [1, H, T, D], gains [T])."""
+    model = tiny_model("llama", head_dim=16, dtype=dtype)  # C = 32
+    spec = kvstack.StackSpec.load(stage(bits=3, residual=0, key_scale=key_scale, scale_dtype=scale_dtype))
+    shape = ModelShape.from_model(model)
+    codec = spec.stages[0].codec(shape, 0)
+    g = torch.Generator().manual_seed(3)
+    t, h, d = 256, shape.num_kv_heads, shape.head_dim
+    gains = torch.exp(torch.empty(t // 2).uniform_(-3.4, 3.4, generator=g)).repeat(2)
+    half = torch.randn(1, h, t // 2, d, generator=g)
+    pre = torch.cat([half, -half], 2) * gains[None, None, :, None]
+    cos, sin = rope_angles(torch.arange(t), codec.inv_freq)
+    keys = apply_rope(pre, cos, sin).to(dtype)
+    tier = TransformCodedTier(3, 3, d, dtype, "test", "quantized", torch.eye(h * d), codec,
+                              token_scale=key_scale == "token")
+    tier.append(keys, torch.randn(1, h, t, d, generator=g).to(dtype), torch.arange(t)[None, None])
+    return tier, keys.float(), gains
+
+
+def test_a_scale_per_token_codes_loud_and_quiet_keys_alike():
+    """With ``key_scale: none`` the levels fitted to all tokens lose the quiet keys (their steps are the loud keys'
+    size, so a quiet key decodes to about the mean); with ``token`` each key is coded by its own RMS, so every token's
+    relative error is about the coder's at 3 bits, whatever its gain."""
+    errors = {}
+    for key_scale in ("none", "token"):
+        tier, keys, gains = _loud_and_quiet_tier(key_scale)
+        decoded, _ = tier.gather(torch.arange(256).expand(1, 1, -1))
+        errors[key_scale] = (decoded - keys).norm(dim=(1, 3))[0] / keys.norm(dim=(1, 3))[0]  # [T]
+    quiet = gains < 0.1
+    assert float(errors["none"][quiet].median()) > 0.9  # the quiet ones are lost
+    assert float(errors["token"].max()) < 0.35  # 3 bits per element, every gain
+    assert float(errors["token"].mean()) < 0.5 * float(errors["none"].mean())
+
+
+@pytest.mark.parametrize(("dtype", "scale_dtype", "scale_bytes"), [
+    (torch.float32, "model", 4), (torch.bfloat16, "model", 2), (torch.bfloat16, "float8_e4m3fn", 1),
+])
+def test_a_scale_per_token_costs_its_format_and_the_coder_a_mean_and_rms(dtype, scale_dtype, scale_bytes):
+    """The scale is stored in the stage's scale format (one byte in float8), and the budget is sized with it."""
+    with_scale, _, _ = _loud_and_quiet_tier("token", scale_dtype, dtype)
+    without, _, _ = _loud_and_quiet_tier("none", scale_dtype, dtype)
+    assert with_scale.key_scale.element_size() == scale_bytes and without.key_scale is None
+    assert with_scale.bytes_per_token() - without.bytes_per_token() == scale_bytes
+    c = with_scale.key_codes.shape[-1] * 8 // 3
+    assert with_scale.memory_bytes() - without.memory_bytes() == 256 * scale_bytes + (c + 1) * 4
+    shape = ModelShape.from_model(tiny_model("llama", head_dim=16, dtype=dtype))
+    assert coder_bytes(shape, 3, dtype, "token") - coder_bytes(shape, 3, dtype) == (c + 1) * 4
+
+
+def test_key_scale_acts_only_on_transform_coded_keys():
+    kivi = kvstack.StackSpec.load({"name": "k", "stages": [{"kind": "quantize", "bits": 2, "key_scale": "token"}]})
+    assert "key_scale" not in kivi.to_yaml()
+    assert "key_scale: token" in kvstack.StackSpec.load(stage(bits=2, key_scale="token")).to_yaml()
+
+
 # ------------------------------------------------------------------------------------------------ moves
 @FAST
-@given(seed=st.integers(0, 10_000), keep_frac=st.floats(0.1, 0.9))
-def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac):
+@given(seed=st.integers(0, 10_000), keep_frac=st.floats(0.1, 0.9), key_scale=st.sampled_from(["none", "token"]))
+def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac, key_scale):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(seed))
-    cache, _ = run(model, stage(bits=3, residual=0), ids, 40)
+    cache, _ = run(model, stage(bits=3, residual=0, key_scale=key_scale), ids, 40)
     tier = tier_of(cache)
     before_k, before_v = tier.gather(torch.arange(40).expand(2, 1, -1))
     codes = tier.key_codes.clone()
@@ -439,17 +501,21 @@ def test_key_basis_acts_only_on_transform_coded_keys():
     assert not kvstack.StackSpec.load(stage(bits=2)).model_stages
 
 
-def test_the_key_basis_bench_reports_every_basis_and_width_and_near_zero_error_at_eight_bits():
+def test_the_key_basis_bench_reports_every_basis_width_and_key_scale_and_near_zero_error_at_eight_bits():
     from kvstack.bench.key_basis import markdown, measure
 
     model = tiny_model("llama", head_dim=16)
     texts = {"random": [torch.randint(3, 128, (80,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]}
-    rows = measure(model, texts, [1, 8])
-    assert {(r["bits"], r["basis"]) for r in rows} == {(b, n) for b in (1, 8) for n in ("weights", "calibrated", "own")}
-    assert len(rows) == 2 * 2 * 3
+    rows = measure(model, texts, [1, 8], key_scales=("none", "token"))
+    bases = ("weights", "calibrated", "own")
+    assert {(r["bits"], r["key_scale"], r["basis"]) for r in rows} == {
+        (b, s, n) for b in (1, 8) for s in ("none", "token") for n in bases}
+    assert len(rows) == 2 * 2 * 2 * 3
     for r in rows:
         assert r["attention_error"] < (1e-3 if r["bits"] == 8 else 1.0)
-    for name in ("weights", "calibrated", "own"):
-        at = {r["bits"]: r["attention_error"] for r in rows if r["basis"] == name and r["text"] == "random[0]"}
-        assert at[8] < at[1]
-    assert "| random (2) | 1 |" in markdown(rows)
+    for name in bases:
+        for key_scale in ("none", "token"):
+            at = {r["bits"]: r["attention_error"] for r in rows
+                  if r["basis"] == name and r["text"] == "random[0]" and r["key_scale"] == key_scale}
+            assert at[8] < at[1]
+    assert "| random (2) | 1 | none |" in markdown(rows) and "| random (2) | 8 | token |" in markdown(rows)

@@ -1,7 +1,8 @@
 """Which basis transform-coded keys should use: attention error of 1- to 4-bit keys per ``key_basis``, on SmolLM2.
 
     python -m kvstack.bench.key_basis [--model DIR|GGUF] [--bits 1,2,4] [--length 1024] [--texts 2]
-                                      [--calibration sampled|random|FILE.jsonl] [--threads 2] [--out DIR]
+                                      [--calibration sampled|random|FILE.jsonl] [--key-scale none,token]
+                                      [--threads 2] [--out DIR]
 
 For every layer of a Llama-family model (separate ``q_proj``, standard RoPE) and each evaluation text (the first
 ``--texts`` code passages and the first ``--texts`` 1K needle contexts of the dev sets, cut to ``--length`` tokens),
@@ -17,8 +18,12 @@ the text's pre-RoPE keys are transform-coded as the ``coding: transform`` tier c
 * ``own`` — the principal axes of the evaluated text's own keys: a reference no cache could hold for free (it
   would store C x C numbers per layer), showing how far a fixed basis is from the best one.
 
-The figure per (text, bits, basis) is the causal attention output's relative squared error with coded keys and exact
-values, ``sum ||o^ - o||^2 / sum ||o||^2`` over queries, heads and layers (averaged over layers). Writes
+With ``--key-scale none,token`` every width is measured twice: as ``key_scale: none`` codes keys, and as
+``key_scale: token`` does (each vector centred and divided by its root mean square before the coder is fitted and
+applied, the scale rounded to float8_e4m3fn: :func:`kvstack.kernels.transform_code.scale_tokens`).
+
+The figure per (text, bits, key scale, basis) is the causal attention output's relative squared error with coded keys
+and exact values, ``sum ||o^ - o||^2 / sum ||o||^2`` over queries, heads and layers (averaged over layers). Writes
 ``DIR/key_basis.json`` and prints a markdown table.
 """
 
@@ -54,11 +59,12 @@ def _attention_error(q, k, k_hat, v, groups: int) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[int], calibration=None) -> list[dict]:
-    """Rows per (text, bits, basis) (module docstring); ``calibration``: token ids for the calibrated basis (None:
-    sampled by the model, as the stage does)."""
+def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], calibration=None,
+            key_scales=("none",)) -> list[dict]:
+    """Rows per (text, bits, key scale, basis) (module docstring); ``calibration``: token ids for the calibrated
+    basis (None: sampled by the model, as the stage does)."""
     from kvstack.kernels.rope import apply_rope, rope_angles
-    from kvstack.kernels.transform_code import ComponentCode
+    from kvstack.kernels.transform_code import ComponentCode, fit_token_scale, scale_tokens
     from kvstack.stack.shape import ModelShape
     from kvstack.stages._quant_options import rope_frequencies
     from kvstack.stages._transform_tier import calibrate_key_bases, coder_levels, key_basis, pre_rope_vectors
@@ -83,7 +89,7 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[int], calibr
                 for h in hooks:
                     h.remove()
             n = ids.shape[0]
-            totals: dict[tuple[int, str], list[float]] = {}
+            totals: dict[tuple[float, str, str], list[float]] = {}
             for layer in range(layers):
                 inv_freq = rope_frequencies(shape, layer)
                 cos, sin = rope_angles(torch.arange(n), inv_freq)
@@ -96,38 +102,49 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[int], calibr
                 for name, basis in (("weights", fixed["weights"][layer]), ("calibrated", fixed["calibrated"][layer]),
                                     ("own", own)):
                     y = x @ basis
-                    for b in bits:
-                        code = ComponentCode.fit(y[SINKS : n - RESIDUAL], b * y.shape[-1], coder_levels(y.shape[-1], b))
+                    middle = y[SINKS : n - RESIDUAL]
+                    for b, key_scale in ((b, s) for b in bits for s in key_scales):
+                        c = y.shape[-1]
+                        if key_scale == "token":
+                            mean, rms = fit_token_scale(middle)
+                            z, scale = scale_tokens(middle, mean, rms, torch.float8_e4m3fn)
+                        else:
+                            z = middle
+                        code = ComponentCode.fit(z, round(b * c), coder_levels(c, b))
+                        z_hat = code.decode(code.encode(z))
                         y_hat = y.clone()
-                        y_hat[SINKS : n - RESIDUAL] = code.decode(code.encode(y[SINKS : n - RESIDUAL]))
+                        y_hat[SINKS : n - RESIDUAL] = (
+                            mean + (scale.float() * rms)[:, None] * z_hat if key_scale == "token" else z_hat
+                        )
                         k_hat = (y_hat @ basis.T).reshape(n, kv, -1).transpose(0, 1)
                         err, ref = _attention_error(q, keys, apply_rope(k_hat, cos, sin), values, heads // kv)
-                        totals.setdefault((b, name), []).append(err / ref)
-            for (b, name), errors in totals.items():
-                rows.append({"text": f"{kind}[{index}]", "tokens": n, "bits": b, "basis": name,
-                             "attention_error": sum(errors) / len(errors)})
+                        totals.setdefault((b, key_scale, name), []).append(err / ref)
+            for (b, key_scale, name), errors in totals.items():
+                rows.append({"text": f"{kind}[{index}]", "tokens": n, "bits": b, "key_scale": key_scale,
+                             "basis": name, "attention_error": sum(errors) / len(errors)})
     return rows
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Mean over texts per (kind, bits, basis)."""
+    """Mean over texts per (kind, bits, key scale, basis)."""
     out: dict[tuple, list[float]] = {}
     for r in rows:
-        out.setdefault((r["text"].split("[")[0], r["bits"], r["basis"]), []).append(r["attention_error"])
-    return [{"texts": k, "bits": b, "basis": n, "attention_error": sum(v) / len(v), "count": len(v)}
-            for (k, b, n), v in out.items()]
+        key = (r["text"].split("[")[0], r["bits"], r.get("key_scale", "none"), r["basis"])
+        out.setdefault(key, []).append(r["attention_error"])
+    return [{"texts": k, "bits": b, "key_scale": s, "basis": n, "attention_error": sum(v) / len(v), "count": len(v)}
+            for (k, b, s, n), v in out.items()]
 
 
 def markdown(rows: list[dict]) -> str:
-    """One row per (texts, bits), a column per basis."""
+    """One row per (texts, bits, key scale), a column per basis."""
     bases = ["weights", "calibrated", "own"]
     table = {}
     for r in summary(rows):
-        table.setdefault((r["texts"], r["bits"], r["count"]), {})[r["basis"]] = r["attention_error"]
-    lines = ["| texts | key bits | " + " | ".join(bases) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in bases) + " |"]
-    for (kind, b, count), v in sorted(table.items()):
-        lines.append(f"| {kind} ({count}) | {b} | " + " | ".join(f"{v[n]:.4f}" for n in bases) + " |")
+        table.setdefault((r["texts"], r["bits"], r["key_scale"], r["count"]), {})[r["basis"]] = r["attention_error"]
+    lines = ["| texts | key bits | key scale | " + " | ".join(bases) + " |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in bases) + " |"]
+    for (kind, b, key_scale, count), v in sorted(table.items()):
+        lines.append(f"| {kind} ({count}) | {b:g} | {key_scale} | " + " | ".join(f"{v[n]:.4f}" for n in bases) + " |")
     return "\n".join(lines)
 
 
@@ -141,6 +158,8 @@ def main(argv=None) -> None:
     parser.add_argument("--texts", type=int, default=2, help="code passages and needle contexts each")
     parser.add_argument("--calibration", default="sampled",
                         help="sampled (the model's own text), random (token ids) or a JSONL file of {\"text\": ...}")
+    parser.add_argument("--key-scale", default="none",
+                        help="none, token or none,token: key_scale of the coded keys (token: a float8 scale per key)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="runs/key-basis")
     args = parser.parse_args(argv)
@@ -155,7 +174,11 @@ def main(argv=None) -> None:
     needles = real_model.load_needle_tasks(lengths=(1024,), per_length=args.texts)
     texts = {"code": [encode(t) for t in real_model.load_code_passages(n=args.texts)],
              "needle": [real_model.needle_prompt(tokenizer, t)[0][: args.length] for t in needles]}
-    bits = [int(b) for b in args.bits.split(",")]
+    bits = [float(b) for b in args.bits.split(",")]
+    key_scales = args.key_scale.split(",")
+    for key_scale in key_scales:
+        if key_scale not in ("none", "token"):
+            parser.error(f"--key-scale {key_scale!r} is not allowed: none, token or both (none,token)")
     if args.calibration == "sampled":
         calibration = None
     elif args.calibration == "random":
@@ -163,12 +186,12 @@ def main(argv=None) -> None:
     else:
         lines = [json.loads(line)["text"] for line in Path(args.calibration).read_text().splitlines() if line.strip()]
         calibration = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"][:512]) for t in lines[:8]]
-    rows = measure(model, texts, bits, calibration)
+    rows = measure(model, texts, bits, calibration, key_scales)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = models.describe_source(source) | {"model_dtype": str(next(model.parameters()).dtype), "bits": bits,
                                              "length": args.length, "calibration": args.calibration,
-                                             "threads": torch.get_num_threads()}
+                                             "key_scale": key_scales, "threads": torch.get_num_threads()}
     (out / "key_basis.json").write_text(json.dumps({"metadata": meta, "rows": rows, "summary": summary(rows)},
                                                    indent=2) + "\n")
     print(markdown(rows))

@@ -6,7 +6,9 @@ uncorrelated, ``y = x U``; a bit budget of ``total_bits`` per vector is spread o
 (high-variance components get more bits, components with little variance none); each component is coded with its own
 scalar Lloyd-Max quantizer (a 1-D k-means fitted on the data, started from the Gaussian's optimal levels). Decoding
 reads each component's level and returns ``x^ = y^ U^T``. There is no scale or zero point per vector or group: the
-levels are per component, fitted once, so a vector costs exactly ``total_bits / 8`` bytes.
+levels are per component, fitted once, so a vector costs exactly ``total_bits / 8`` bytes. Optionally
+(:func:`scale_tokens`, gain-shape coding) each vector is centred and divided by its own root mean square first, which
+is then stored beside its code.
 
 This file holds the coder given ``y`` (the basis and where it comes from are the caller's):
 
@@ -276,6 +278,30 @@ class ComponentCode:
         return self.decode_coded(codes, dtype) @ basis[:, self.order.long()].T.to(dtype)
 
 
+def fit_token_scale(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``y`` [N, C] -> (their mean [C], the mean of their centred root mean squares [1]) float32: what
+    :func:`scale_tokens` centres by and measures each vector's scale against."""
+    y = y.float()
+    if not y.shape[0]:
+        return y.new_zeros(y.shape[-1]), y.new_ones(1)
+    mean = y.mean(0)
+    rms = (y - mean).pow(2).mean(-1).sqrt().mean().clamp_min(torch.finfo(torch.float32).tiny)
+    return mean, rms.reshape(1)
+
+
+def scale_tokens(
+    y: torch.Tensor, mean: torch.Tensor, rms: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gain-shape split of vectors ``y`` [..., C]: (``(y - mean) / (s rms)`` float32 [..., C], the stored scale
+    ``s`` [...] in ``dtype``), ``s`` each vector's centred root mean square over ``rms``, rounded to ``dtype`` (within
+    its normal range: float8 has no inf). Dividing by the rounded ``s`` keeps ``mean + s rms z`` the vector's exact
+    decomposition, so the only error is the coder's on ``z``."""
+    centred = y.float() - mean
+    info = torch.finfo(dtype)
+    stored = (centred.pow(2).mean(-1).sqrt() / rms).clamp(info.smallest_normal, info.max).to(dtype)
+    return centred / (stored.float() * rms)[..., None], stored
+
+
 def transform_reference(x: torch.Tensor, basis: torch.Tensor, code: ComponentCode) -> torch.Tensor:
     """Plain float64 round trip of ``x`` [..., C] through ``basis`` and ``code`` (nearest level by brute force), the
     reference the tests compare ``encode``/``decode`` against."""
@@ -302,6 +328,6 @@ def weight_basis(weight: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "BLOCK", "ComponentCode", "MAX_BITS", "allocate_widths", "gaussian_lloyd", "lloyd_levels",
-    "transform_reference", "uniform_levels", "weight_basis",
+    "BLOCK", "ComponentCode", "MAX_BITS", "allocate_widths", "fit_token_scale", "gaussian_lloyd", "lloyd_levels",
+    "scale_tokens", "transform_reference", "uniform_levels", "weight_basis",
 ]

@@ -82,7 +82,8 @@ class QuantOptions(BaseModel):
         description="How keys are stored. kivi: per-channel groups of group_size tokens, a scale and zero point each; "
         "transform: each token's pre-RoPE keys of all KV heads coded as one vector in an orthonormal basis "
         "(key_basis), key_bits per element on average allocated per component by variance, Lloyd-Max levels per "
-        "component, no scales (needs key_rope: pre). Values are KIVI's per-token groups either way.",
+        "component, no scales (key_scale: token adds one per token; needs key_rope: pre). Values are KIVI's "
+        "per-token groups either way.",
     )
     key_basis: Literal["weights", "calibrated"] = Field(
         default="weights",
@@ -90,6 +91,12 @@ class QuantOptions(BaseModel):
         "layer's k_proj weight (nothing to fit); calibrated: the principal axes of the layer's pre-RoPE keys on "
         "calibration text (kvstack.apply(model, spec, calibration=...), else text sampled from the model itself), "
         "fitted once per model when the stack is applied.",
+    )
+    key_scale: Literal["none", "token"] = Field(
+        default="none",
+        description="coding: transform — none: no scale per token (the levels alone, as KVTC); token: each token's "
+        "key vector is centred and divided by its root mean square before it is coded and multiplied back when read "
+        "(gain-shape coding), the ratio stored per token in scale_dtype (1 byte in float8_e4m3fn).",
     )
     rotate: Literal["none", "hadamard", "random"] = Field(
         default="none",
@@ -128,9 +135,10 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"coding", "key_basis", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip", "scale_dtype"}
+            return {"coding", "key_basis", "key_scale", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip",
+                    "scale_dtype"}
         inactive = set() if self.rotate == "random" else {"rotate_seed"}
-        return inactive if self.transform_coded else inactive | {"key_basis"}
+        return inactive if self.transform_coded else inactive | {"key_basis", "key_scale"}
 
     @property
     def transform_coded(self) -> bool:

@@ -6,8 +6,12 @@ position and expressed in an orthonormal basis ``U`` [C, C] (C = Hkv * Dk) that 
 of the energy in a few components. A :class:`ComponentCode` fitted on the tier's first tokens spends
 ``key_bits * C`` bits per token over those components by their variance, each component with its own Lloyd-Max
 levels (transform coding as in KVTC, arXiv 2511.01815; the allocation and the levels adapt to each cache). No scale or
-zero point per token or group. ``key_bits`` is an average, so it may be fractional (a multiple of 1/4 whose total,
-``key_bits * C``, is whole bytes: :func:`key_code_bits`). The basis (``key_basis``):
+zero point per token or group by default; with ``key_scale: token`` each token's component vector is centred by the
+coder's mean and divided by its root mean square (relative to the tier's, stored per token in the stage's scale
+format) before it is coded, and multiplied back when read — gain-shape coding (Sabin & Gray, IEEE Trans. ASSP 1984;
+the norm kept apart as in QJL, arXiv 2406.03482), so that the levels are fitted to the keys' directions and a token
+far quieter than the others is not lost in the levels' steps. ``key_bits`` is an average, so it may be fractional (a
+multiple of 1/4 whose total, ``key_bits * C``, is whole bytes: :func:`key_code_bits`). The basis (``key_basis``):
 
 * ``weights`` — the left singular vectors of the layer's ``k_proj`` weight
   (:func:`kvstack.kernels.transform_code.weight_basis`): nothing to fit, but blind to how anisotropic the layer's
@@ -23,10 +27,12 @@ Values: per token, as ``kind: quantize`` stores them (``value_group_size`` chann
 tried on the values too and lost: on SmolLM2 its 3-bit values, with a smaller squared error than KIVI's, gave a
 higher KL (docs/quantization.md).
 
-What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], ``value_codes`` / ``value_scale`` /
-``value_zero`` [B, Hkv, T, ...], ``positions`` int32 [B, 1, T], per-token records, and per layer the key coder's
-``order`` (int16 [C]), ``offsets`` (int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number,
-:func:`coder_levels`: float16 in 16-bit models, float32 in float32 ones), plus a ``random`` rotation's matrix. The
+What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], with ``key_scale: token`` ``key_scale``
+[B, 1, T, 1] (1 byte in float8, else the model dtype's size) and per layer the coder's ``key_mean`` (float32 [C]) and
+``key_rms`` (float32 [1]), ``value_codes`` / ``value_scale`` / ``value_zero`` [B, Hkv, T, ...], ``positions`` int32
+[B, 1, T], per-token records, and per layer the key coder's ``order`` (int16 [C]), ``offsets`` (int32 [C]),
+``center`` (float32 [C]) and ``levels`` (a fixed number, :func:`coder_levels`: float16 in 16-bit models, float32 in
+float32 ones), plus a ``random`` rotation's matrix. The
 key basis is the model's, not the cache's: float32 [C, C] per layer, computed once per model (from its weights, or
 when the stack is applied) and shared by every cache of the model like the weights, so it is not counted
 (SmolLM2: 30 x 192 x 192 x 4 bytes = 4.4 MB, against 270 MB of bf16 weights). Every part is per token: removing
@@ -47,7 +53,7 @@ import torch
 
 from kvstack.kernels.quant_pack import QuantizedGroups, dequantize, quantize
 from kvstack.kernels.rope import apply_rope, rope_angles
-from kvstack.kernels.transform_code import ComponentCode, uniform_levels, weight_basis
+from kvstack.kernels.transform_code import ComponentCode, fit_token_scale, scale_tokens, uniform_levels, weight_basis
 from kvstack.stack.errors import KVStackError, SpecError
 from kvstack.stack.memory import POSITION_BYTES
 from kvstack.stack.shape import ModelShape, caching_attention_modules
@@ -85,12 +91,13 @@ def levels_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if model_dtype == torch.float32 else torch.float16
 
 
-def coder_bytes(shape, key_bits: float, dtype: torch.dtype) -> int:
+def coder_bytes(shape, key_bits: float, dtype: torch.dtype, key_scale: str = "none") -> int:
     """Bytes per layer of one level's key coder: order int16, offsets int32, centre float32 per component, and its
-    levels."""
+    levels; with ``key_scale: token`` also its mean (float32 per component) and mean RMS (one float32)."""
     c = shape.num_kv_heads * shape.head_dim
     item = torch.empty((), dtype=levels_dtype(dtype)).element_size()
-    return c * (2 + 4 + 4) + coder_levels(c, key_bits) * item
+    scaled = (c + 1) * 4 if key_scale == "token" else 0
+    return c * (2 + 4 + 4) + coder_levels(c, key_bits) * item + scaled
 
 
 # ---------------------------------------------------------------------------------------------- bases
@@ -240,11 +247,14 @@ class TransformCodedTier(ExactTier):
     :class:`TierCodec` (its ``inv_freq`` un-rotates keys; its rotation, levels, scale format and clip act on values);
     ``value_group``: channels per value group."""
 
-    _tensor_names = ("key_codes", "value_codes", "value_scale", "value_zero", "positions")
+    _tensor_names = ("key_codes", "key_scale", "value_codes", "value_scale", "value_zero", "positions")
 
     def __init__(self, key_bits: float, bits: int, value_group: int, dtype: torch.dtype, label: str, name: str,
-                 basis: torch.Tensor, codec, holds_codec_tensors: bool = True):
+                 basis: torch.Tensor, codec, holds_codec_tensors: bool = True, token_scale: bool = False):
         self.name, self.label = name, label
+        self.token_scale = token_scale
+        self.key_mean: torch.Tensor | None = None  # [C] float32, token_scale only
+        self.key_rms: torch.Tensor | None = None  # [1] float32, token_scale only
         self.key_bits, self.bits, self.value_group, self.dtype = key_bits, bits, value_group, dtype
         self.basis, self.codec = basis, codec
         self.levels = codec.levels if bits <= 4 else "uniform"  # an 8-bit level stays uniform
@@ -258,6 +268,7 @@ class TransformCodedTier(ExactTier):
 
     def memory_bytes(self) -> int:
         coder = 0 if self.key_code is None else sum(t.nbytes for t in self.key_code.tensors().values())
+        coder += sum(t.nbytes for t in (self.key_mean, self.key_rms) if t is not None)
         rotation = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
         return super().memory_bytes() + coder + rotation
 
@@ -271,10 +282,26 @@ class TransformCodedTier(ExactTier):
             self.basis = self.basis.to(device)  # one copy, where the cache lives
         return self.basis
 
+    def _scale_dtype(self) -> torch.dtype:
+        return self.codec.scale_dtype or self.dtype
+
+    def _normalise(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Components [B, n, C] -> (what the coder codes, the stored per-token scale [B, 1, n, 1] or None). With
+        ``token_scale`` each vector is centred by ``key_mean`` and divided by its root mean square as stored (its
+        ratio to ``key_rms``, rounded to the scale format: dividing by the rounded value keeps decoding exact)."""
+        if not self.token_scale:
+            return y, None
+        z, stored = scale_tokens(y, self.key_mean, self.key_rms, self._scale_dtype())
+        return z, stored[:, None, :, None]
+
     def _fit(self, y: torch.Tensor, valid: torch.Tensor) -> None:
         c = y.shape[-1]
         total = round(self.key_bits * c)  # a multiple of 8: checked with the spec (key_code_bits)
-        code = ComponentCode.fit(y.reshape(-1, c)[valid.reshape(-1)], total, coder_levels(c, self.key_bits))
+        samples = y.reshape(-1, c)[valid.reshape(-1)]
+        if self.token_scale:
+            self.key_mean, self.key_rms = fit_token_scale(samples)
+            samples = self._normalise(samples[None])[0][0]
+        code = ComponentCode.fit(samples, total, coder_levels(c, self.key_bits))
         if self.dtype != torch.float32:
             if bool((code.levels.abs() > FLOAT16_LIMIT).any()):
                 raise QuantizationError(
@@ -288,7 +315,11 @@ class TransformCodedTier(ExactTier):
     def _keys(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D], the basis product and RoPE in ``dtype`` (float32 or
         float64: the attention engine's compute dtype)."""
-        k = self.key_code.reconstruct(self.key_codes[:, 0, start:stop], self._basis(self.key_codes.device), dtype)
+        basis = self._basis(self.key_codes.device)
+        k = self.key_code.reconstruct(self.key_codes[:, 0, start:stop], basis, dtype)
+        if self.token_scale:  # x = (mean + s * rms * z) U^T
+            scale = self.key_scale[:, 0, start:stop, 0].to(dtype) * self.key_rms.to(dtype)
+            k = k * scale[..., None] + (self.key_mean.to(dtype) @ basis.T.to(dtype))
         b, n, _ = k.shape
         k = k.reshape(b, n, self.heads, -1).transpose(1, 2)
         cos, sin = rope_angles(self.positions[..., start:stop].clamp_min(0), self.codec.inv_freq.to(k.device))
@@ -332,7 +363,8 @@ class TransformCodedTier(ExactTier):
         records = sum(v.shape[1] * v.element_size() for v in self.token_data.values())
         h = self.value_codes.shape[1]
         values = h * (self.value_codes.shape[-1] + self.value_scale.shape[-1] * 2 * self.value_scale.element_size())
-        return self.key_codes.shape[-1] + values + POSITION_BYTES + records
+        scale = 0 if self.key_scale is None else self.key_scale.element_size()
+        return self.key_codes.shape[-1] + scale + values + POSITION_BYTES + records
 
     # ---------------------------------------------------------------------------------- storage side
     def _shared(self, index: torch.Tensor) -> torch.Tensor:
@@ -356,7 +388,7 @@ class TransformCodedTier(ExactTier):
         qv = self._quantize_values(values)
         if self.positions is None:
             self._fit(y, valid)
-            self.key_codes = self.key_code.encode(y)[:, None]
+            self._store_keys(y)
             self.value_codes, self.value_scale, self.value_zero = qv.packed, qv.scale, qv.zero
             self.positions = positions
         else:
@@ -367,15 +399,26 @@ class TransformCodedTier(ExactTier):
                 y = torch.cat([self._components(self._keys(0, self.num_tokens), self.positions), y], 1)
                 self.positions = torch.cat([self.positions, positions], -1)
                 self._fit(y, self.valid()[:, 0])
-                self.key_codes = self.key_code.encode(y)[:, None]
+                self._store_keys(y)
             else:
                 self.positions = torch.cat([self.positions, positions], -1)
-                self.key_codes = torch.cat([self.key_codes, self.key_code.encode(y)[:, None]], 2)
+                self._store_keys(y, append=True)
         self._append_token_data(keys.shape[-2], records)
+
+    def _store_keys(self, y: torch.Tensor, append: bool = False) -> None:
+        """Code components [B, n, C] with the fitted coder: the tier's keys (``append``: after the held ones)."""
+        z, scale = self._normalise(y)
+        codes = self.key_code.encode(z)[:, None]
+        if append:
+            codes = torch.cat([self.key_codes, codes], 2)
+            scale = None if scale is None else torch.cat([self.key_scale, scale], 2)
+        self.key_codes, self.key_scale = codes, scale
 
     def select(self, index, slot_valid) -> None:
         index = self._shared(index)
         self.key_codes = gather_tokens(self.key_codes, index)
+        if self.key_scale is not None:
+            self.key_scale = bytewise(gather_tokens, self.key_scale, index)
         self.value_codes = gather_tokens(self.value_codes, index)
         self.value_scale = bytewise(gather_tokens, self.value_scale, index)
         self.value_zero = bytewise(gather_tokens, self.value_zero, index)
@@ -384,20 +427,22 @@ class TransformCodedTier(ExactTier):
 
 
 def transform_tier(shape, layer_idx: int, key_bits: float, bits: int, value_group: int, label: str, name: str, codec,
-                   holds_codec_tensors: bool = True, basis: str = "weights") -> TransformCodedTier:
+                   holds_codec_tensors: bool = True, basis: str = "weights",
+                   key_scale: str = "none") -> TransformCodedTier:
     """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys;
-    ``basis``: the stage's ``key_basis``)."""
+    ``basis``, ``key_scale``: the stage's ``key_basis`` and ``key_scale``)."""
     return TransformCodedTier(key_bits, bits, value_group, shape.dtype, label, name, key_basis(shape, layer_idx, basis),
-                              codec, holds_codec_tensors)
+                              codec, holds_codec_tensors, token_scale=key_scale == "token")
 
 
 def transform_token_bytes(shape, key_bits: float, bits: int, value_group: int, scale_bytes: int,
-                          extra_per_token: float = 0.0) -> float:
-    """Bytes of one token per batch row: its key codes, its values' codes, scales and zero points, and
-    ``extra_per_token`` (positions, records)."""
+                          extra_per_token: float = 0.0, key_scale: str = "none") -> float:
+    """Bytes of one token per batch row: its key codes (and with ``key_scale: token`` its key scale, in the scale
+    format), its values' codes, scales and zero points, and ``extra_per_token`` (positions, records)."""
     h = shape.num_kv_heads
     values = h * (shape.value_dim * bits / 8 + 2 * scale_bytes * shape.value_dim / value_group)
-    return h * shape.head_dim * key_bits / 8 + values + extra_per_token
+    keys = h * shape.head_dim * key_bits / 8 + (scale_bytes if key_scale == "token" else 0)
+    return keys + values + extra_per_token
 
 
 __all__ = [

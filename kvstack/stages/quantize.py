@@ -477,7 +477,8 @@ class QuantizeSpec(StageSpec, QuantOptions):
             cost = cost_without(0)
             if self.transform_coded:  # every part per token: no key groups, no holes
                 scale_bytes = _itemsize(sdt or plan.dtype)
-                per_token = round(transform_token_bytes(shape, self.bits, self.bits, vg, scale_bytes, extra))
+                per_token = round(transform_token_bytes(shape, self.bits, self.bits, vg, scale_bytes, extra,
+                                                         self.key_scale))
                 cost = lambda n, c=per_token: n * c  # noqa: E731
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
@@ -495,7 +496,7 @@ class QuantizeSpec(StageSpec, QuantOptions):
             layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
             if quantized:  # a random rotation's matrix, or the transform coders, exist from the first quantized token
                 layer.fixed_bytes += self.fixed_bytes(shape) + (
-                    coder_bytes(shape, self.bits, plan.dtype) if self.transform_coded else 0
+                    coder_bytes(shape, self.bits, plan.dtype, self.key_scale) if self.transform_coded else 0
                 )
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
@@ -526,7 +527,7 @@ class QuantizeStage(Stage):
         codec = self.spec.codec(self.shape, layer.layer_idx)
         if self.spec.transform_coded:
             tier = transform_tier(self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label,
-                                  "quantized", codec, basis=self.spec.key_basis)
+                                  "quantized", codec, basis=self.spec.key_basis, key_scale=self.spec.key_scale)
         else:
             tier = QuantizedTier(
                 self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,

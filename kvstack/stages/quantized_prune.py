@@ -324,8 +324,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             return 0
         coders = 0
         if self.transform_coded:
-            coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype) for level in self.levels(layer_idx)
-                         if level.bits != 16)
+            coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype, self.key_scale)
+                         for level in self.levels(layer_idx) if level.bits != 16)
         return QuantOptions.fixed_bytes(self, shape) + coders
 
     def layer_scale(self, layer_idx: int, shape) -> float:
@@ -402,7 +402,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         if self.transform_coded:
             e = _itemsize(self.scale_torch_dtype() or dtype)
-            per_token = round(transform_token_bytes(shape, level.keys, level.bits, vg, e, extra))
+            per_token = round(transform_token_bytes(shape, level.keys, level.bits, vg, e, extra, self.key_scale))
             return lambda n: n * per_token
         return quantized_slot_bytes(
             shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype(),
@@ -617,7 +617,8 @@ class QuantizedPruneStage(Stage):
             label = f"layer {layer.layer_idx}, quantized_prune"
             if self.spec.transform_coded:
                 tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
-                                      level.tier_name, codec, holder, basis=self.spec.key_basis)
+                                      level.tier_name, codec, holder, basis=self.spec.key_basis,
+                                      key_scale=self.spec.key_scale)
             else:
                 tier = QuantizedTier(
                     level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
