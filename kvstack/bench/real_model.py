@@ -486,8 +486,9 @@ class NeedleRow:
         return asdict(self)
 
 
-def needle_prompt(tokenizer, task: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids prefilled and compressed: up to the end of the context, ids fed afterwards: question + assistant header)."""
+def needle_texts(tokenizer, task: dict) -> tuple[str, str]:
+    """(text prefilled and compressed: the chat-formatted prompt up to the end of the context, text fed afterwards:
+    question + assistant header)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the needle protocol formats its prompt with the tokenizer's chat template; this one has none")
     content = f"{task['context']}\n\n{task['question']}"
@@ -495,11 +496,13 @@ def needle_prompt(tokenizer, task: dict) -> tuple[torch.Tensor, torch.Tensor]:
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
     cut = text.index(content) + len(task["context"])
+    return text[:cut], text[cut:]
 
-    def encode(s: str) -> torch.Tensor:
-        return torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"])
 
-    return encode(text[:cut]), encode(text[cut:])
+def needle_prompt(tokenizer, task: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`needle_texts` as token ids (each part tokenized on its own, without special tokens)."""
+    context, rest = needle_texts(tokenizer, task)
+    return tuple(torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in (context, rest))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
