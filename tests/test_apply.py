@@ -103,6 +103,17 @@ def test_both_cache_argument_names_work():
     assert torch.equal(a, b)
 
 
+def test_output_cache_returns_the_cache_the_forward_filled():
+    from kvstack.stack.apply import cache_kwarg, output_cache
+
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, 128, (1, 10))
+    given = DynamicCache(config=model.config)
+    assert output_cache(model(ids, **{cache_kwarg(model): given})) is given
+    made = output_cache(model(ids, use_cache=True))  # the model's own: read without the deprecated attribute
+    assert made.get_seq_length() == 10
+
+
 def test_seq_length_counts_tokens_seen_not_kept():
     model = tiny_model("llama")
     with kvstack.applied(model, {"budget": {"tokens": 7}, "stages": [{"kind": "evict", "n_sink": 2}]}):

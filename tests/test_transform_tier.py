@@ -239,8 +239,10 @@ def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac, key_scale
         pos = tier.positions[row, 0][slots].long()
         assert torch.equal(tier.key_codes[row, 0][slots], codes[row, 0][pos])
         k, v = tier.gather(torch.arange(tier.num_tokens).expand(2, 1, -1))
-        assert torch.equal(k[row][:, slots], before_k[row][:, pos])
-        assert torch.equal(v[row][:, slots], before_v[row][:, pos])
+        # the same codes decode to the same keys up to the matrix product's rounding, which may depend on how many
+        # tokens are decoded together (BLAS blocking): a few float32 ulps, not a change of level
+        torch.testing.assert_close(k[row][:, slots], before_k[row][:, pos], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v[row][:, slots], before_v[row][:, pos], rtol=1e-6, atol=1e-6)
     assert kept.numel() == int(keep.sum())
 
 

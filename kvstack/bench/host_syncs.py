@@ -57,6 +57,7 @@ def decode_step_syncs(preset: str, context: int = 256, warm_steps: int = 40) -> 
     """(syncs of one decode step with the stack, syncs of the same step with DynamicCache) after ``context``
     tokens and ``warm_steps`` decode steps (so periodic work, e.g. a KIVI flush, is not the step measured)."""
     import kvstack
+    from kvstack.stack.apply import cache_kwarg
     from transformers import DynamicCache
 
     model = tiny_llama()
@@ -69,11 +70,11 @@ def decode_step_syncs(preset: str, context: int = 256, warm_steps: int = 40) -> 
         else:
             cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :context], past_key_values=cache)
+            model(ids[:, :context], **{cache_kwarg(model): cache})
             for t in range(context, context + warm_steps):
-                model(ids[:, t : t + 1], past_key_values=cache)
+                model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
             with HostSyncCounter() as counter:
-                model(ids[:, -1:], past_key_values=cache)
+                model(ids[:, -1:], **{cache_kwarg(model): cache})
         counts.append(counter.counts)
         if stack is not None:
             kvstack.remove(model)

@@ -65,6 +65,7 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], cali
     basis (None: sampled by the model, as the stage does)."""
     from kvstack.kernels.rope import apply_rope, rope_angles
     from kvstack.kernels.transform_code import ComponentCode, fit_token_scale, scale_tokens
+    from kvstack.stack.apply import output_cache
     from kvstack.stack.shape import ModelShape
     from kvstack.stages._quant_options import rope_frequencies
     from kvstack.stages._transform_tier import calibrate_key_bases, coder_levels, key_basis, pre_rope_vectors
@@ -84,7 +85,7 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], cali
                 lambda m, i, o, idx=idx: queries.__setitem__(idx, o[0].float()))
                 for idx, layer in enumerate(model.model.layers)]
             try:
-                cache = model(ids[None], use_cache=True).past_key_values
+                cache = output_cache(model(ids[None], use_cache=True))
             finally:
                 for h in hooks:
                     h.remove()

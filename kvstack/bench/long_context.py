@@ -105,6 +105,7 @@ def stack_spec(stack: str):
 def run_one(shape: str, stack: str, length: int, decode_steps: int, device: str) -> dict:
     """Measure one configuration in this process (the parent runs each in a fresh subprocess)."""
     import kvstack
+    from kvstack.stack.apply import cache_kwarg
     from transformers import DynamicCache
 
     torch.set_num_threads(int(os.environ.get("KVSTACK_BENCH_THREADS", torch.get_num_threads())))
@@ -128,7 +129,7 @@ def run_one(shape: str, stack: str, length: int, decode_steps: int, device: str)
         new_cache = lambda: kvstack.cache_for(model)  # noqa: E731
 
     def forward(x, cache):
-        return model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return model(x, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():

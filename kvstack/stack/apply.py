@@ -41,6 +41,11 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def output_cache(output):
+    """The cache a model's forward returned (``use_cache=True``): ``output.cache`` (5.24+) or ``past_key_values``."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
 def apply(model, preset: "StackSpec | dict | str | Path" = "identity", calibration: Any = None, **overrides):
     """Prepare ``model`` to run with the stack ``preset`` (name, YAML path or text, dict or :class:`StackSpec`).
 

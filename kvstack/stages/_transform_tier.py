@@ -216,10 +216,12 @@ def _fit_source(model, modules, seqs) -> tuple:
 def _fit_bases(model, modules, seqs, stage: str) -> dict[int, torch.Tensor]:
     shape = ModelShape.from_model(model)
     inv_freq = {layer_idx: rope_frequencies(shape, layer_idx) for layer_idx in modules}
+    from kvstack.stack.apply import output_cache
+
     device = next(model.parameters()).device
     moments: dict[int, list] = {}
     for ids in seqs:
-        cache = model(ids.to(device), use_cache=True).past_key_values
+        cache = output_cache(model(ids.to(device), use_cache=True))
         for layer_idx in modules:
             keys = cache.layers[layer_idx].keys  # [1, Hkv, n, D]; a sliding window holds the newest n
             n = keys.shape[-2]
