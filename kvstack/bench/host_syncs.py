@@ -61,6 +61,7 @@ def decode_step_syncs(preset: str, context: int = 256, warm_steps: int = 40) -> 
     from transformers import DynamicCache
 
     model = tiny_llama()
+    name = cache_kwarg(model)
     ids = torch.randint(3, 128, (1, context + warm_steps + 1), generator=torch.Generator().manual_seed(0))
     counts = []
     for stack in (preset, None):
@@ -70,11 +71,11 @@ def decode_step_syncs(preset: str, context: int = 256, warm_steps: int = 40) -> 
         else:
             cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :context], **{cache_kwarg(model): cache})
+            model(ids[:, :context], **{name: cache})
             for t in range(context, context + warm_steps):
-                model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+                model(ids[:, t : t + 1], **{name: cache})
             with HostSyncCounter() as counter:
-                model(ids[:, -1:], **{cache_kwarg(model): cache})
+                model(ids[:, -1:], **{name: cache})
         counts.append(counter.counts)
         if stack is not None:
             kvstack.remove(model)

@@ -214,10 +214,10 @@ def _fit_source(model, modules, seqs) -> tuple:
 
 
 def _fit_bases(model, modules, seqs, stage: str) -> dict[int, torch.Tensor]:
-    shape = ModelShape.from_model(model)
-    inv_freq = {layer_idx: rope_frequencies(shape, layer_idx) for layer_idx in modules}
     from kvstack.stack.apply import output_cache
 
+    shape = ModelShape.from_model(model)
+    inv_freq = {layer_idx: rope_frequencies(shape, layer_idx) for layer_idx in modules}
     device = next(model.parameters()).device
     moments: dict[int, list] = {}
     for ids in seqs:
