@@ -42,6 +42,9 @@ More decoders (``MORE_ARCHS``; same 2 layers, hidden 64, 4 query heads / 2 KV he
 * starcoder2: ``sliding_window=8``, biases. gpt_neox: fused query_key_value, partial rotary (0.25), MHA.
 * gpt2: learned absolute positions, fused c_attn (Conv1D), MHA. gemma: ``1 + w`` RMSNorm, GeLU.
 * smollm3: the second layer without RoPE (``no_rope_layers``). glm: partial rotary (0.5), interleaved halves.
+* falcon (transformers >= 5.25, which moved it onto the attention interface): the new decoder architecture
+  (Falcon-40B/180B's), 2 KV heads, fused query_key_value, parallel attention/MLP, rotary. The multi-query variant
+  (Falcon-7B's) is tested for exactness in ``tests/test_any_arch.py``; ALiBi Falcon is refused (``REFUSED``).
 * MoE archs (``MOE_ARCHS``) build with ``experts_implementation="eager"`` (the default grouped_mm kernel has no
   float64 CPU kernel).
 """
@@ -61,6 +64,19 @@ MORE_ARCHS: list[str] = [
     "olmo", "olmo2", "olmo3", "granite", "mixtral", "cohere", "cohere2", "stablelm", "starcoder2", "qwen3_moe",
     "gpt_neox", "gpt2", "gemma", "phi", "smollm3", "glm",
 ]
+
+
+def falcon_uses_attention_interface() -> bool:
+    """transformers 5.25 moved Falcon onto the attention interface; before, it computed attention itself."""
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon)
+
+
+if falcon_uses_attention_interface():
+    MORE_ARCHS.append("falcon")
 ALL_ARCHS: list[str] = ARCHS + MORE_ARCHS
 #: mixture-of-experts archs
 MOE_ARCHS: list[str] = ["mixtral", "qwen3_moe"]
@@ -251,6 +267,11 @@ def _config(arch: str, attn_implementation: str):
         from transformers import GlmConfig as Cfg
 
         c.update(head_dim=16, rope_parameters=dict(_ROPE, partial_rotary_factor=0.5))
+    elif arch == "falcon":
+        from transformers import FalconConfig as Cfg
+
+        kv_heads = c.pop("num_key_value_heads")
+        c.update(ffn_hidden_size=c.pop("intermediate_size"), new_decoder_architecture=True, num_kv_heads=kv_heads, rope_parameters=dict(_ROPE))
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ALL_ARCHS}")
     cfg = Cfg(**c)
@@ -287,6 +308,7 @@ def _model_class(arch: str):
         "phi": tf.PhiForCausalLM,
         "smollm3": tf.SmolLM3ForCausalLM,
         "glm": tf.GlmForCausalLM,
+        "falcon": tf.FalconForCausalLM,
     }[arch]
 
 
@@ -339,15 +361,6 @@ def tiny_model(
 
 
 # --------------------------------------------------------------------------------------------- refused families
-def falcon_uses_attention_interface() -> bool:
-    """transformers 5.25 moved Falcon onto the attention interface; before, it computed attention itself."""
-    import inspect
-
-    from transformers.models.falcon import modeling_falcon
-
-    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon)
-
-
 #: families kvstack refuses, each with a regex of the reason its UnsupportedModelError must give
 REFUSED: dict[str, str] = {
     "t5": "encoder-decoder",
@@ -361,6 +374,7 @@ REFUSED: dict[str, str] = {
     "gpt_oss": "attention sinks",
     "llama4": "chunked local attention",
     "gemma3_bidirectional": "bidirectional",
+    "falcon_alibi": "ALiBi",
 }
 if not falcon_uses_attention_interface():
     REFUSED["falcon"] = "computes attention itself"
@@ -417,6 +431,10 @@ def refused_model(family: str, seed: int = 0):
     elif family == "falcon":
         model = tf.FalconForCausalLM(
             tf.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **ids)
+        )
+    elif family == "falcon_alibi":
+        model = tf.FalconForCausalLM(
+            tf.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True, **ids)
         )
     elif family == "bloom":
         model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, **ids))

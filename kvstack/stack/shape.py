@@ -4,7 +4,8 @@ Support is detected from the model itself, not looked up by name (:func:`support
 
 * **config** — causal self-attention only: no encoder-decoder, no cross-attention layers, no multi-head latent
   attention (``kv_lora_rank``), every layer ``full_attention`` or ``sliding_attention`` (no linear-attention,
-  recurrent, state-space, chunked or indexed layers), no KV sharing between layers, no bidirectional attention;
+  recurrent, state-space, chunked or indexed layers), no KV sharing between layers, no bidirectional attention, no
+  ALiBi bias added to the mask (``alibi``);
 * **modules** — every decoder layer has exactly one attention module that stores its keys/values with
   ``cache.update(..., layer_idx)`` and then calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``),
   with no argument kvstack's attention would ignore (attention sinks ``s_aux``, a relative position bias, sparse
@@ -58,6 +59,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "phi": "Phi",
     "smollm3": "SmolLM3",
     "glm": "GLM",
+    "falcon": "Falcon (rotary; transformers >= 5.25)",
 }
 
 #: layer types whose cache is per-token keys/values under a causal (optionally sliding-window) mask
@@ -320,6 +322,11 @@ def config_problem(config) -> str | None:
                 f"hybrid_override_pattern={pattern!r}: layers other than attention (mamba / MLP blocks) have no "
                 "per-token keys and values (hybrid models are not supported)"
             )
+    if getattr(text, "alibi", False):
+        return (
+            "ALiBi (alibi=True): a per-head linear position bias the model adds to its attention mask; kvstack's "
+            "attention takes a padding mask and adds no position bias"
+        )
     if getattr(text, "attention_chunk_size", None) is not None:
         return (
             f"chunked local attention (attention_chunk_size={text.attention_chunk_size}) masks by chunk; kvstack's "
