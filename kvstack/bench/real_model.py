@@ -513,7 +513,10 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def needle_task(model, tokenizer, task: dict, cache, full_per_token: int, max_new_tokens: int, eos: set[int]) -> dict:
+def needle_task(model, tokenizer, task: dict, cache, full_per_token: int, max_new_tokens: int, eos: set[int],
+                after_context=None) -> dict:
+    """One needle task on ``cache``: the context prefilled, then ``after_context(cache)`` if given (a diagnostic's
+    change to what the cache holds), the question fed, the reply decoded greedily."""
     from kvstack.stack.apply import cache_kwarg
 
     name = cache_kwarg(model)
@@ -521,6 +524,8 @@ def needle_task(model, tokenizer, task: dict, cache, full_per_token: int, max_ne
     device = next(model.parameters()).device
     context, question = (ids.to(device) for ids in needle_prompt(tokenizer, task))
     _step(model, context, 0, cache, name)
+    if after_context is not None:
+        after_context(cache)
     held = _cache_bytes(cache)
     full = full_per_token * context.shape[0]
     logits = _step(model, question, context.shape[0], cache, name)[-1]
