@@ -19,8 +19,9 @@ multiple of 1/4 whose total, ``key_bits * C``, is whole bytes: :func:`key_code_b
 * ``calibrated`` — the principal axes of the layer's pre-RoPE keys on calibration text (KVTC's PCA), fitted once when
   the stack is applied (:func:`calibrate_key_bases`): on the text given to ``kvstack.apply(..., calibration=...)``,
   else on :data:`SAMPLED_SEQUENCES` x :data:`SAMPLED_TOKENS` tokens the model samples itself from its BOS token (seed
-  :data:`SAMPLED_SEED`), so no data is needed. Fitted on 2,048 tokens, it cuts the attention error of 1- to
-  4-bit keys by 1.7x to 3x against ``weights`` on SmolLM2 (docs/quantization.md, ``kvstack.bench.key_basis``).
+  :data:`SAMPLED_SEED`), so no data is needed (the same text on one machine; another machine's bf16 rounding samples
+  another). Fitted on 2,048 tokens, it cuts the attention error of 1- to 4-bit keys by 1.7x to 3x against
+  ``weights`` on SmolLM2 (docs/quantization.md, ``kvstack.bench.key_basis``).
 
 Values: per token, as ``kind: quantize`` stores them (``value_group_size`` channels per group, the stage's
 ``rotate`` / ``codebook`` / ``scale_dtype`` / ``value_clip``; ``kvstack/kernels/quant_pack.py``). Transform coding was
