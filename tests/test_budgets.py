@@ -93,7 +93,8 @@ def test_memory_never_exceeds_the_budget(scenario):
 @st.composite
 def quantized_prune_options(draw):
     """A quantized_prune stack with the precision options (3 and 2 bits, rotations, pre-RoPE keys, nf levels, cheaper
-    scales, other bits in one layer, transform-coded keys at any width, with or without a scale per token) under a
+    scales, other bits in one layer, transform-coded keys at any width, with or without a scale per token, and
+    transform-coded values at any width) under a
     random budget: the level costs it sizes with must be exact for every option, and the layers' shares must sum to
     the budget."""
     dtype = draw(st.sampled_from(DTYPES))
@@ -114,13 +115,17 @@ def quantized_prune_options(draw):
         "every": draw(st.sampled_from([None, 1, 4])),
     }
     transform = draw(st.booleans())
-    if transform:  # keys transform-coded (pre-RoPE; values stay KIVI's), every head the same tokens
+    if transform:  # keys transform-coded (pre-RoPE), every head the same tokens
         key_scale = draw(st.sampled_from(["none", "token"]))
         stage.update(coding="transform", key_rope="pre", head_wise=False, key_scale=key_scale)
     # transform-coded widths are averages: halves fill whole bytes for every head_dim drawn (C = 2 x head_dim >= 16)
     key_widths = st.sampled_from([0.5, 1, 1.5, 2, 2.5, 3, 4, 5.5, 8]) if transform else st.sampled_from([2, 3, 4, 8])
     if draw(st.booleans()):  # keys at other bits than the values on the last level
         tiers[-1] = {**tiers[-1], "key_bits": draw(key_widths)}
+    if transform and draw(st.booleans()):  # values transform-coded too, in their calibrated basis, at any width
+        stage.update(value_coding="transform", rotate="none", codebook="uniform")
+        if draw(st.booleans()):
+            tiers[-1] = {**tiers[-1], "value_bits": draw(key_widths)}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):  # mixed precision by layer
         stage["layer_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 4, 8]))}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):

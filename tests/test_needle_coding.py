@@ -18,10 +18,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_codings_read_key_bits_basis_and_value_bits_and_refuse_the_rest():
-    assert parse_coding("4c/3") == (4.0, "calibrated", 3.0)
-    assert parse_coding("1.5w/16") == (1.5, "weights", 16.0)
-    assert parse_coding("16/2") == (16.0, "own", 2.0)
-    for bad, why in (("4x/3", "KEY_BITS"), ("4/", "KEY_BITS"), ("9/3", "key bits 9"), ("4/0", "value bits 0")):
+    assert parse_coding("4c/3") == (4.0, "calibrated", 3.0, "own")
+    assert parse_coding("1.5w/16") == (1.5, "weights", 16.0, "own")
+    assert parse_coding("16/2") == (16.0, "own", 2.0, "own")
+    assert parse_coding("3c/1.5c") == (3.0, "calibrated", 1.5, "calibrated")
+    for bad, why in (("4x/3", "KEY_BITS"), ("4/", "KEY_BITS"), ("9/3", "key bits 9"), ("4/0", "value bits 0"),
+                     ("4/2w", "VALUE_BITS")):
         with pytest.raises(ValueError, match=why):
             parse_coding(bad)
     with pytest.raises(SystemExit):
@@ -72,11 +74,12 @@ def test_exact_coding_reproduces_the_full_cache_and_coding_runs_on_smollm2(smoll
     (task,) = real_model.load_needle_tasks(smollm2_data[1], per_length=1, lengths=(1024,))
     eos = real_model._eos_ids(model, tokenizer)
     full = real_model.needle_task(model, tokenizer, task, DynamicCache(config=model.config), 1, 16, eos)
-    rows = measure(model, tokenizer, [task], ["16/16", "1w/1"])
-    exact, coarse = rows
+    rows = measure(model, tokenizer, [task], ["16/16", "1w/1", "16/1c"])
+    exact, coarse, calibrated_values = rows
     assert exact["reply"] == full["reply"] and exact["correct"] == full["correct"]
     assert coarse["reply"] != full["reply"]  # 1-bit keys and values in a model's cache change the answer
     assert (coarse["key_bits"], coarse["key_basis"], coarse["value_bits"]) == (1.0, "weights", 1.0)
+    assert calibrated_values["value_basis"] == "calibrated" and calibrated_values["key_basis"] == "own"
     table = markdown(rows)
     assert "| 16/16 | 1/1 | - |" in table or "| 16/16 | 0/1 | 1024:0 |" in table
     json.dumps(rows)

@@ -1,7 +1,7 @@
-"""``coding: transform`` inside the stack (``kvstack/stages/_transform_tier.py``: transform-coded keys, KIVI values):
-spec errors, exact bytes, attention through the tier against plain attention over its decoded tokens, near-identity at
-8 bits, token moves that keep codes, re-fitting, every architecture. Numerics of the coder:
-tests/test_transform_code.py."""
+"""``coding: transform`` inside the stack (``kvstack/stages/_transform_tier.py``: transform-coded keys, KIVI or
+transform-coded values): spec errors, exact bytes, attention through the tier against plain attention over its
+decoded tokens, near-identity at 8 bits, token moves that keep codes, re-fitting, every architecture. Numerics of the
+coder: tests/test_transform_code.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvstack.stack.cache import KVStackCache
 from kvstack.stack.errors import KVStackError, SpecError
 from kvstack.stack.shape import ModelShape
 from kvstack.stages import _transform_tier
-from kvstack.stages._transform_tier import TransformCodedTier, coder_bytes, key_basis
+from kvstack.stages._transform_tier import TransformCodedTier, coder_bytes, key_basis, value_basis
 
 FAST = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
@@ -56,7 +56,7 @@ def test_a_head_wise_selection_is_refused_when_the_spec_loads():
 def test_a_cache_from_a_config_alone_says_it_needs_the_weights():
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(stage())
-    with pytest.raises(SpecError, match=r"needs the model's key projection weights"):
+    with pytest.raises(SpecError, match=r"needs the model's weights or calibrated bases"):
         KVStackCache(spec, ModelShape.from_config(model.config))
 
 
@@ -67,12 +67,13 @@ def test_kv_width_not_a_multiple_of_eight_is_refused_against_the_model():
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_scale="none"):
+def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_scale="none", value_coding="kivi"):
     """Independent count: residual tokens in full precision; each other token ``bits`` per element of every head's
-    keys (with ``key_scale: token`` and its scale), its values' codes with a scale and zero point per ``g`` channels,
-    and an int32 position; per layer, once a token is coded, the key coder (order int16, offsets int32, centre float32
-    per component; 1.5 x C x 2^bits levels; with ``key_scale: token`` a float32 mean per component and one mean
-    RMS)."""
+    keys (with ``key_scale: token`` and its scale), its values' codes with a scale and zero point per ``g`` channels
+    (``value_coding: transform``: ``bits`` per element, nothing else), and an int32 position; per layer, once a token
+    is coded, the key coder (order int16, offsets int32, centre float32 per component; 1.5 x C x 2^bits levels; with
+    ``key_scale: token`` a float32 mean per component and one mean RMS) and with transform-coded values their coder
+    alike."""
     cfg = model.config
     h, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     x = prefill - g * (max(prefill - residual, 0) // g) + (seen - prefill)
@@ -80,25 +81,30 @@ def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_s
     q = seen - r
     level_item = 4 if item == 4 else 2
     scaled = key_scale == "token"
-    coder = h * d * 10 + -(-3 * h * d * 2**bits // 2) * level_item + scaled * (h * d + 1) * 4 if q else 0
-    per_token = h * d * bits // 8 + scaled * item + h * (d * bits // 8 + 2 * item * (d // g)) + 4
+    one_coder = h * d * 10 + -(-3 * h * d * 2**bits // 2) * level_item
+    coded_values = value_coding == "transform"
+    coder = one_coder * (1 + coded_values) + scaled * (h * d + 1) * 4 if q else 0
+    values = h * d * bits // 8 if coded_values else h * (d * bits // 8 + 2 * item * (d // g))
+    per_token = h * d * bits // 8 + scaled * item + values + 4
     return layers * (batch * (r * (h * 2 * d * item + 4) + q * per_token) + coder)
 
 
 @FAST
 @given(bits=st.sampled_from([2, 3, 4, 8]), g=st.sampled_from([8, 16]), groups_residual=st.integers(0, 2),
        prefill=st.integers(1, 40), steps=st.integers(0, 10), batch=st.integers(1, 2),
-       key_scale=st.sampled_from(["none", "token"]))
-def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefill, steps, batch, key_scale):
+       key_scale=st.sampled_from(["none", "token"]), value_coding=st.sampled_from(["kivi", "transform"]))
+def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefill, steps, batch, key_scale,
+                                                 value_coding):
     model = tiny_model("llama")
-    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual, key_scale=key_scale))
+    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual, key_scale=key_scale, value_coding=value_coding))
     ids = torch.randint(3, 128, (batch, prefill + steps), generator=torch.Generator().manual_seed(prefill))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         model(ids[:, :prefill], cache=cache)
         for t in range(prefill, prefill + steps + 1):
             seen = cache.get_seq_length()
-            expected = expected_bytes(model, seen, prefill, batch, bits, g, g * groups_residual, key_scale=key_scale)
+            expected = expected_bytes(model, seen, prefill, batch, bits, g, g * groups_residual, key_scale=key_scale,
+                                      value_coding=value_coding)
             assert cache.memory_bytes() == expected == spec.memory_bound(model.config, seen, batch, prefill_len=prefill)
             if t < prefill + steps:
                 model(ids[:, t : t + 1], cache=cache)
@@ -115,13 +121,15 @@ def test_levels_are_float16_in_16_bit_models_and_the_coders_bytes_are_fixed():
 
 
 # ------------------------------------------------------------------------------------------------ attention
-@pytest.mark.parametrize(("bits", "key_scale"), [(2, "none"), (4, "none"), (3, "token")])
-def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits, key_scale):
+@pytest.mark.parametrize(("bits", "key_scale", "value_coding"),
+                         [(2, "none", "kivi"), (4, "none", "kivi"), (3, "token", "kivi"), (2, "none", "transform")])
+def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits, key_scale, value_coding):
     """After a prompt, every layer's tier is decoded into a DynamicCache; the model's next-token logits through that
     cache and plain attention equal the stack's own (residual 0: every token is coded)."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(bits))
-    spec = kvstack.StackSpec.load(stage(bits=bits, group_size=8, residual=0, key_scale=key_scale))
+    spec = kvstack.StackSpec.load(stage(bits=bits, group_size=8, residual=0, key_scale=key_scale,
+                                        value_coding=value_coding))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         model(ids[:, :32], cache=cache)
@@ -223,14 +231,15 @@ def test_key_scale_acts_only_on_transform_coded_keys():
 
 # ------------------------------------------------------------------------------------------------ moves
 @FAST
-@given(seed=st.integers(0, 10_000), keep_frac=st.floats(0.1, 0.9), key_scale=st.sampled_from(["none", "token"]))
-def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac, key_scale):
+@given(seed=st.integers(0, 10_000), keep_frac=st.floats(0.1, 0.9), key_scale=st.sampled_from(["none", "token"]),
+       value_coding=st.sampled_from(["kivi", "transform"]))
+def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac, key_scale, value_coding):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(seed))
-    cache, _ = run(model, stage(bits=3, residual=0, key_scale=key_scale), ids, 40)
+    cache, _ = run(model, stage(bits=3, residual=0, key_scale=key_scale, value_coding=value_coding), ids, 40)
     tier = tier_of(cache)
     before_k, before_v = tier.gather(torch.arange(40).expand(2, 1, -1))
-    codes = tier.key_codes.clone()
+    codes, value_codes = tier.key_codes.clone(), tier.value_codes.clone()
     keep = torch.rand(2, 1, 40, generator=torch.Generator().manual_seed(seed)) < keep_frac
     cache.layers[0].retain(tier, keep, absorb=False)
     kept = tier.positions[tier.positions >= 0].reshape(-1)
@@ -238,11 +247,14 @@ def test_selecting_tokens_moves_their_codes_unchanged(seed, keep_frac, key_scale
         slots = tier.positions[row, 0] >= 0
         pos = tier.positions[row, 0][slots].long()
         assert torch.equal(tier.key_codes[row, 0][slots], codes[row, 0][pos])
+        if value_coding == "transform":
+            assert torch.equal(tier.value_codes[row, 0][slots], value_codes[row, 0][pos])
         k, v = tier.gather(torch.arange(tier.num_tokens).expand(2, 1, -1))
         # the same codes decode to the same keys up to the matrix product's rounding, which may depend on how many
-        # tokens are decoded together (BLAS blocking): a few float32 ulps, not a change of level
-        torch.testing.assert_close(k[row][:, slots], before_k[row][:, pos], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(v[row][:, slots], before_v[row][:, pos], rtol=1e-6, atol=1e-6)
+        # tokens are decoded together (BLAS blocking): a few float32 ulps of keys of order 1-10 (a token's scale
+        # multiplies them), not a change of level
+        torch.testing.assert_close(k[row][:, slots], before_k[row][:, pos], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[row][:, slots], before_v[row][:, pos], rtol=1e-5, atol=1e-5)
     assert kept.numel() == int(keep.sum())
 
 
@@ -357,9 +369,32 @@ def test_the_sinks_keep_the_fill_tier_when_the_levels_below_could_take_every_byt
             model(ids[:, t : t + 1], cache=cache)
 
 
+@pytest.mark.parametrize("value_coding", ["kivi", "transform"])
+def test_the_recent_window_keeps_the_fill_tier_when_the_levels_below_could_take_every_byte(value_coding):
+    """3-bit keys and values under ``ratio: 0.25`` could hold every token (and pay their coders) and leave the fill tier
+    fewer tokens than the sinks and the window. With ``recent: 16`` the sinks and the newest 16 positions (at answer
+    time: the question and the reply so far) stay at 16 bits after the prompt and after every decode step, the oldest
+    others leave to pay for them, and the budget holds — with KIVI values and with transform-coded ones."""
+    model = tiny_model("llama", head_dim=16)
+    spec = pruned(3, bits=3, n_sink=4, recent=16, scale_dtype="float16", every=1, value_coding=value_coding)
+    spec["stages"][0]["tiers"][0] = {"fill": True, "bits": 16}
+    spec["budget"] = {"ratio": 0.25}
+    ids = torch.randint(3, 128, (1, 220), generator=torch.Generator().manual_seed(9))
+    with kvstack.applied(model, kvstack.StackSpec.load(spec), calibration=_calibration()), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids[:, :200], cache=cache)
+        for t in range(200, 220):
+            protected = set(range(4)) | set(range(t - 16, t))
+            for layer in cache.layers:
+                assert protected <= set(layer.full.positions[0, 0].tolist()), (t, layer.full.positions)
+                assert tier_of(cache, layer.layer_idx).num_tokens < t - len(protected)
+            assert cache.memory_bytes() <= 0.25 * kvstack.full_cache_bytes(model.config, t)
+            model(ids[:, t : t + 1], cache=cache)
+
+
 @pytest.mark.parametrize(("tiers_key_bits", "options", "model_kw", "message"), [
-    (1.3, {}, {}, r"key_bits: key bits 1.3 are not a multiple of 0.25 in \[0.25, 8\]"),
-    (8.5, {}, {}, r"key bits 8.5 are not a multiple of 0.25"),
+    (1.3, {}, {}, r"key_bits: 1.3 bits per element is not a multiple of 0.25 in \[0.25, 8\]"),
+    (8.5, {}, {}, r"key_bits: 8.5 bits per element is not a multiple of 0.25"),
     (1.5, {"coding": "kivi", "key_rope": "post"}, {},
      r"tiers.key_bits=1.5 is not allowed: 2, 3, 4 or 8 with coding: kivi \(multiples of 0.25 up to 8 with coding: "
      r"transform\)"),
@@ -371,6 +406,78 @@ def test_a_key_width_the_codes_cannot_hold_is_refused_by_name(tiers_key_bits, op
     model = tiny_model("llama", **model_kw)
     with pytest.raises(SpecError, match=message):
         kvstack.apply(model, pruned(tiers_key_bits, **options))
+
+
+# ------------------------------------------------------------------------------------------------ coded values
+def test_a_fractional_value_width_spends_that_average_and_lands_between_its_neighbours():
+    """``value_bits: 1.5`` (C = 32 value components): 6 bytes of value codes per token and nothing else for the
+    values (no scale, no zero point), the bytes the budget is sized with, the coder's bytes fixed, and the decoded
+    values' error between the neighbouring widths'."""
+    model = tiny_model("llama", head_dim=16)
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        exact = model(ids, use_cache=True).past_key_values
+    errors = {}
+    for value_bits in (1, 1.5, 2, 3):
+        spec = pruned(4, bits=2, value_coding="transform")
+        spec["stages"][0]["tiers"][-1]["value_bits"] = value_bits
+        spec = kvstack.StackSpec.load(spec)
+        cache, _ = run(model, spec, ids, 64)
+        tier = tier_of(cache)
+        assert tier.name == f"quantized-k4v{value_bits}" and tier.value_scale is None and tier.value_zero is None
+        assert tier.value_codes.shape[-1] == round(value_bits * 32) // 8
+        assert tier.bytes_per_token() == spec.stages[0].level_costs(cache.shape, torch.float32)[-1]
+        per_token = sum(t.nbytes for t in tier.tensors().values())
+        assert tier.memory_bytes() - per_token == coder_bytes(cache.shape, 4, torch.float32, value_bits=value_bits)
+        order = torch.sort(tier.positions[0, 0])
+        _, values = tier.gather(order.indices.expand(1, 1, -1))
+        v = exact.layers[0].values[:, :, order.values.long()]
+        errors[value_bits] = float((values - v).norm() / v.norm())
+    assert errors[1] > errors[1.5] > errors[2] > errors[3]
+
+
+def test_coded_values_keep_a_budget_in_bf16_and_buy_more_tokens_than_kivi_values():
+    """An eighth of a bf16 cache: 4 sinks at 16 bits, the rest with 2.5-bit keys and values at 1.5 bits transform-coded
+    (6 bytes a token here) or KIVI's 2 bits (4 bytes of codes and 4 of scales and zero points a head): at every step
+    the budget holds, and coded values leave room for more tokens, although their coder takes a fixed part of it."""
+    model = tiny_model("llama", head_dim=16, dtype=torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(9))
+    kept = {}
+    for value_coding in ("kivi", "transform"):
+        spec = pruned(2.5, bits=2, value_coding=value_coding, n_sink=4, every=4)
+        coded = {"value_bits": 1.5} if value_coding == "transform" else {}
+        spec["stages"][0]["tiers"] = [{"fill": True, "bits": 16}, {"rest": True, "bits": 2, "key_bits": 2.5, **coded}]
+        spec["budget"] = {"ratio": 0.125}
+        with kvstack.applied(model, spec), torch.no_grad():
+            cache = kvstack.cache_for(model)
+            model(ids[:, :260], cache=cache)
+            for t in range(260, 300):
+                budget = 0.125 * kvstack.full_cache_bytes(model.config, t, dtype=torch.bfloat16)
+                assert 0.8 * budget < cache.memory_bytes() <= budget
+                model(ids[:, t : t + 1], cache=cache)
+        kept[value_coding] = tier_of(cache).num_tokens
+    assert kept["transform"] > 1.15 * kept["kivi"]
+
+
+@pytest.mark.parametrize(("options", "tier", "message"), [
+    ({"value_coding": "transform", "coding": "kivi", "key_rope": "post"}, {},
+     r"value_coding='transform' is not allowed: 'kivi' unless coding: transform"),
+    ({"value_coding": "transform", "rotate": "hadamard"}, {},
+     r"rotate='hadamard' is not allowed: 'none' with value_coding: transform"),
+    ({"value_coding": "transform", "codebook": "nf"}, {}, r"codebook='nf' is not allowed: 'uniform' with value_coding"),
+    ({"value_coding": "transform", "value_clip": True}, {}, r"value_clip=True is not allowed: False with value_coding"),
+    ({}, {"value_bits": 1.5}, r"tiers.value_bits=1.5 is not allowed: none with value_coding: kivi"),
+    ({"value_coding": "transform"}, {"value_bits": 1.25},
+     r"tiers.value_bits=1.25 is not allowed: a width whose bits per token, value_bits x 16 value components"),
+    ({"value_coding": "transform"}, {"value_bits": 1.3}, r"value_bits: 1.3 bits per element is not a multiple of 0.25"),
+])
+def test_value_coding_that_cannot_act_is_refused_by_name(options, tier, message):
+    model = tiny_model("llama", head_dim=8)
+    spec = pruned(2, bits=2, **options)
+    spec["stages"][0]["tiers"][-1].update(tier)
+    with pytest.raises(SpecError, match=message):
+        kvstack.apply(model, spec)
+    assert getattr(model, "_kvstack_applied", None) is None
 
 
 # ------------------------------------------------------------------------------------------------ architectures
@@ -392,10 +499,12 @@ def _calibration(n=2, length=48, seed=11):
     return [torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(seed + i)) for i in range(n)]
 
 
-def _prerope_keys(model, seqs, layer=0):
-    """Independent reference: k_proj's outputs (Llama: the pre-RoPE keys), each sequence's first positions left out."""
+def _projected(model, seqs, layer=0, projection="k_proj"):
+    """Independent reference: a projection's outputs (Llama's k_proj: the pre-RoPE keys; v_proj: the values), each
+    sequence's first positions left out."""
     grabbed = []
-    hook = model.model.layers[layer].self_attn.k_proj.register_forward_hook(lambda m, i, o: grabbed.append(o[0]))
+    module = getattr(model.model.layers[layer].self_attn, projection)
+    hook = module.register_forward_hook(lambda m, i, o: grabbed.append(o[0]))
     with torch.no_grad():
         for ids in seqs:
             model(ids[None], use_cache=False)
@@ -403,22 +512,37 @@ def _prerope_keys(model, seqs, layer=0):
     return torch.cat([k[_transform_tier.CALIBRATION_SKIP :] for k in grabbed]).double()
 
 
-def test_the_calibrated_basis_is_the_principal_axes_of_the_calibration_keys():
+def _assert_principal_axes(basis, cov):
+    """``basis`` is orthonormal and diagonalises ``cov``, its columns by decreasing eigenvalue."""
+    eig = torch.linalg.eigvalsh(cov).flip(0)
+    rotated = basis.T @ cov @ basis
+    assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[0], dtype=basis.dtype), atol=1e-5)
+    assert torch.allclose(rotated.diagonal(), eig, rtol=1e-4, atol=1e-5 * float(eig[0]))
+    off = rotated - torch.diag(rotated.diagonal())
+    assert float(off.abs().max()) < 1e-4 * float(eig[0])
+
+
+@pytest.mark.parametrize(("option", "projection"), [
+    ({"key_basis": "calibrated"}, "k_proj"),
+    ({"value_coding": "transform"}, "v_proj"),
+])
+def test_a_calibrated_basis_is_the_principal_axes_of_the_calibration_vectors(option, projection):
+    """The keys' basis (``key_basis: calibrated``) and the values' (``value_coding: transform``), fitted in one pass:
+    the eigenvectors of the covariance of the layer's pre-RoPE key vectors (k_proj's outputs on Llama) or value
+    vectors (v_proj's), all KV heads of a token as one vector, each sequence's first positions left out; removing
+    the stack forgets them."""
+    def basis_of(shape, layer):
+        return key_basis(shape, layer, "calibrated") if projection == "k_proj" else value_basis(shape, layer)
+
     model = tiny_model("llama", head_dim=16)
     seqs = _calibration()
-    spec = kvstack.StackSpec.load(stage(bits=2, key_basis="calibrated"))
-    with kvstack.applied(model, spec, calibration=seqs):
+    with kvstack.applied(model, kvstack.StackSpec.load(stage(bits=2, **option)), calibration=seqs):
         shape = ModelShape.from_model(model)
         for layer in range(model.config.num_hidden_layers):
-            basis = key_basis(shape, layer, "calibrated").double()
-            k = _prerope_keys(model, seqs, layer)
-            cov = torch.cov(k.T)
-            eig = torch.linalg.eigvalsh(cov).flip(0)
-            rotated = basis.T @ cov @ basis
-            assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[0], dtype=basis.dtype), atol=1e-5)
-            assert torch.allclose(rotated.diagonal(), eig, rtol=1e-4, atol=1e-5 * float(eig[0]))
-            off = rotated - torch.diag(rotated.diagonal())
-            assert float(off.abs().max()) < 1e-4 * float(eig[0])
+            vectors = _projected(model, seqs, layer, projection)
+            _assert_principal_axes(basis_of(shape, layer).double(), torch.cov(vectors.T))
+    with pytest.raises(SpecError, match=r"needs the basis fitted when the stack is applied"):
+        basis_of(shape, 0)
 
 
 def test_a_calibrated_stack_codes_keys_in_that_basis_and_remove_forgets_it():

@@ -12,7 +12,7 @@ the text's pre-RoPE keys are transform-coded as the ``coding: transform`` tier c
 
 * ``weights`` — the left singular vectors of ``k_proj``'s weight (``key_basis: weights``);
 * ``calibrated`` — the principal axes of the keys on calibration text (``key_basis: calibrated``,
-  :func:`kvstack.stages._transform_tier.calibrate_key_bases`): by default (``sampled``) what the stage uses without
+  :func:`kvstack.stages._transform_tier.calibrate_bases`): by default (``sampled``) what the stage uses without
   ``calibration=``, text the model samples itself; ``random``: 4 x 512 random token ids; or the first 8 texts of a
   JSONL file of ``{"text": ...}`` lines (512 tokens each);
 * ``own`` — the principal axes of the evaluated text's own keys: a reference no cache could hold for free (it
@@ -68,11 +68,11 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], cali
     from kvstack.stack.apply import output_cache
     from kvstack.stack.shape import ModelShape
     from kvstack.stages._quant_options import rope_frequencies
-    from kvstack.stages._transform_tier import calibrate_key_bases, coder_levels, key_basis, pre_rope_vectors
+    from kvstack.stages._transform_tier import calibrate_bases, coder_levels, key_basis, pre_rope_vectors
 
     shape = ModelShape.from_model(model)
     layers, heads, kv = shape.num_layers, model.config.num_attention_heads, shape.num_kv_heads
-    undo = calibrate_key_bases(model, calibration)
+    undo = calibrate_bases(model, calibration)
     try:
         fixed = {name: [key_basis(shape, i, name) for i in range(layers)] for name in ("weights", "calibrated")}
     finally:

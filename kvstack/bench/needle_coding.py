@@ -17,8 +17,9 @@ exact; fractional widths as ``key_bits`` takes them) and the key basis by a suff
 * ``c`` — ``key_basis: calibrated`` (fitted once per model on the text it samples itself, as the stage does);
 * ``w`` — ``key_basis: weights`` (the ``k_proj`` weight's left singular vectors).
 
-Values are always coded in their own principal axes (a bound: kvstack's tiers store values as KIVI does). Nothing
-here is a memory figure: it separates the precision that loses a needle from the selection that does.
+Values are coded in their own principal axes (a bound, as ``own`` keys are), or with a ``c`` suffix on ``V`` in the
+calibrated value basis that ``value_coding: transform`` uses (fitted with the key basis, :func:`calibrate_bases`).
+Nothing here is a memory figure: it separates the precision that loses a needle from the selection that does.
 Writes ``DIR/needle_coding.json`` (one row per task and coding, with the reply) and prints the count per coding and
 length, with the tasks each misses.
 """
@@ -35,20 +36,21 @@ import torch
 #: tokens at each end of the context left exact, as a stack keeps its sinks and its residual
 SINKS, RESIDUAL = 4, 32
 EXACT = 16.0
-_CODING = re.compile(r"^(?P<key>\d+(?:\.\d+)?)(?P<basis>[cw]?)/(?P<value>\d+(?:\.\d+)?)$")
+_CODING = re.compile(r"^(?P<key>\d+(?:\.\d+)?)(?P<basis>[cw]?)/(?P<value>\d+(?:\.\d+)?)(?P<vbasis>c?)$")
 BASES = {"": "own", "c": "calibrated", "w": "weights"}
 
 
-def parse_coding(text: str) -> tuple[float, str, float]:
-    """``"4c/3"`` -> (4.0, "calibrated", 3.0); a ``ValueError`` naming the coding and the form otherwise."""
+def parse_coding(text: str) -> tuple[float, str, float, str]:
+    """``"4c/3"`` -> (4.0, "calibrated", 3.0, "own"); ``"3c/1.5c"`` -> (3.0, "calibrated", 1.5, "calibrated"); a
+    ``ValueError`` naming the coding and the form otherwise."""
     match = _CODING.match(text.strip())
     if match is None:
-        raise ValueError(f"coding {text!r} is not allowed: KEY_BITS[c|w]/VALUE_BITS, e.g. 4c/3 or 16/2")
+        raise ValueError(f"coding {text!r} is not allowed: KEY_BITS[c|w]/VALUE_BITS[c], e.g. 4c/3 or 3c/1.5c")
     key, value = float(match["key"]), float(match["value"])
     for name, bits in (("key", key), ("value", value)):
         if not (0 < bits <= 8 or bits == EXACT):
             raise ValueError(f"coding {text!r}: {name} bits {bits:g} are not allowed: in (0, 8], or 16 for exact")
-    return key, BASES[match["basis"]], value
+    return key, BASES[match["basis"]], value, BASES[match["vbasis"]]
 
 
 def own_axes(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +78,10 @@ def code_rows(x: torch.Tensor, bits: float, basis: torch.Tensor | None = None) -
 
 
 @torch.no_grad()
-def code_cache(cache, shape, key_bits: float, value_bits: float, bases: dict[int, torch.Tensor] | None) -> None:
+def code_cache(cache, shape, key_bits: float, value_bits: float, bases: dict[int, torch.Tensor] | None,
+               value_bases: dict[int, torch.Tensor] | None = None) -> None:
     """Code every layer of a ``DynamicCache`` holding one sequence at positions ``0..n-1`` in place (module
-    docstring); ``bases``: the key basis per layer (None: each layer's own axes)."""
+    docstring); ``bases`` / ``value_bases``: the key / value basis per layer (None: each layer's own axes)."""
     from kvstack.kernels.rope import apply_rope, rope_angles
     from kvstack.stages._quant_options import rope_frequencies
     from kvstack.stages._transform_tier import pre_rope_vectors
@@ -98,7 +101,7 @@ def code_cache(cache, shape, key_bits: float, value_bits: float, bases: dict[int
             layer.keys[..., middle, :] = rotated[..., middle, :]  # the exact rows as written, not via RoPE and back
         if value_bits < EXACT:
             x = values.float()[0].transpose(0, 1).reshape(n, -1)
-            coded = code_rows(x, value_bits)
+            coded = code_rows(x, value_bits, None if value_bases is None else value_bases[index])
             layer.values = coded.reshape(n, heads, -1).transpose(0, 1)[None].to(values.dtype)
 
 
@@ -108,30 +111,38 @@ def measure(model, tokenizer, tasks: list[dict], codings: list[str], max_new_tok
 
     from kvstack.bench import real_model
     from kvstack.stack.shape import ModelShape
-    from kvstack.stages._transform_tier import calibrate_key_bases, key_basis
+    from kvstack.stages._transform_tier import calibrate_bases, key_basis, value_basis
 
     parsed = {text: parse_coding(text) for text in codings}
     shape = ModelShape.from_model(model)
     bases: dict[str, dict[int, torch.Tensor]] = {}
-    for source in {basis for key, basis, _ in parsed.values() if key < EXACT and basis != "own"}:
-        undo = calibrate_key_bases(model) if source == "calibrated" else (lambda: None)
+    for source in {basis for key, basis, _, _ in parsed.values() if key < EXACT and basis != "own"}:
+        undo = calibrate_bases(model) if source == "calibrated" else (lambda: None)
         try:
             bases[source] = {i: key_basis(shape, i, source) for i in range(shape.num_layers)}
+        finally:
+            undo()
+    value_bases = None
+    if any(vb == "calibrated" and bits < EXACT for _, _, bits, vb in parsed.values()):
+        undo = calibrate_bases(model)  # the same fit as the keys' (kept with the model)
+        try:
+            value_bases = {i: value_basis(shape, i) for i in range(shape.num_layers)}
         finally:
             undo()
     eos = real_model._eos_ids(model, tokenizer)
     rows = []
     for index, task in enumerate(tasks):
-        for text, (key_bits, basis, value_bits) in parsed.items():
+        for text, (key_bits, basis, value_bits, vbasis) in parsed.items():
             def code(cache):
-                code_cache(cache, shape, key_bits, value_bits, bases.get(basis))
+                code_cache(cache, shape, key_bits, value_bits, bases.get(basis),
+                           value_bases if vbasis == "calibrated" else None)
 
             row = real_model.needle_task(model, tokenizer, task, DynamicCache(config=model.config), 1,
                                          max_new_tokens, eos, after_context=code)
             rows.append({"task": task.get("_index", index), "coding": text, "key_bits": key_bits,
-                         "key_basis": basis, "value_bits": value_bits, "context_tokens": row["context_tokens"],
-                         "depth": row["depth"], "answer": row["answer"], "reply": row["reply"],
-                         "correct": row["correct"]})
+                         "key_basis": basis, "value_bits": value_bits, "value_basis": vbasis,
+                         "context_tokens": row["context_tokens"], "depth": row["depth"], "answer": row["answer"],
+                         "reply": row["reply"], "correct": row["correct"]})
     return rows
 
 
@@ -157,7 +168,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or GGUF (default: the shared SmolLM2)")
     parser.add_argument("--codings", default="16/16,4c/3,4/3,16/3",
-                        help="KEY_BITS[c|w]/VALUE_BITS, comma-separated (16: exact; c: calibrated, w: weights basis)")
+                        help="KEY_BITS[c|w]/VALUE_BITS[c], comma-separated (16: exact; c: calibrated, "
+                        "w: weights basis)")
     parser.add_argument("--tasks", type=int, default=4, help="needle tasks per length (the first N)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths of the needle dev set")
     parser.add_argument("--only", default=None, help="task indices within each length to run (e.g. 4,26)")

@@ -11,10 +11,15 @@ Spec side: :class:`QuantOptions`, a mixin of pydantic fields and their checks �
 * ``value_clip`` — each value group is clamped to the fraction of its range (1, 0.9, 0.8 or 0.7, centred) whose
   quantization has the least squared error (a clip search; keys are never clipped: their extremes set the logits).
 * ``coding: transform`` — instead of KIVI's per-channel key groups, each token's keys (pre-RoPE) of all KV heads are
-  coded as one vector in a basis of the layer's ``k_proj`` weight, with bits allocated per component by variance and
-  Lloyd-Max levels per component (``kvstack/stages/_transform_tier.py``, ``kvstack/kernels/transform_code.py``;
-  KVTC, arXiv 2511.01815): no scale or zero point per key group. Values stay KIVI's (per token, with the options
-  below). It needs ``key_rope: pre``.
+  coded as one vector in an orthonormal basis (``key_basis``: the layer's ``k_proj`` weight's, or calibrated), with
+  bits allocated per component by variance and Lloyd-Max levels per component (``kvstack/stages/_transform_tier.py``,
+  ``kvstack/kernels/transform_code.py``; KVTC, arXiv 2511.01815): no scale or zero point per key group. Values stay
+  KIVI's (per token, with the options below) unless ``value_coding: transform``. It needs ``key_rope: pre``.
+* ``value_coding: transform`` (with ``coding: transform``) — the values are transform-coded too: each token's values
+  of all KV heads as one vector in the principal axes of the layer's values on calibration text (fitted with the
+  keys' calibrated basis when the stack is applied), at ``bits`` (``quantized_prune``: a tier's ``value_bits``, which
+  may be fractional) per element on average, with no scale or zero point. The KIVI value options (``rotate``,
+  ``codebook``, ``value_clip``, ``value_group_size``) then have nothing to act on.
 * ``codebook`` (``uniform`` | ``nf``: the quantization levels) and ``scale_dtype`` (``model`` | ``float16`` |
   ``bfloat16`` | ``float8_e4m3fn``): the levels and the format of scales/zero points
   (``kvstack/kernels/quant_pack.py``). (Named ``codebook``, not ``levels``: ``quantized_prune`` has a ``levels()``
@@ -82,8 +87,14 @@ class QuantOptions(BaseModel):
         description="How keys are stored. kivi: per-channel groups of group_size tokens, a scale and zero point each; "
         "transform: each token's pre-RoPE keys of all KV heads coded as one vector in an orthonormal basis "
         "(key_basis), key_bits per element on average allocated per component by variance, Lloyd-Max levels per "
-        "component, no scales (key_scale: token adds one per token; needs key_rope: pre). Values are KIVI's "
-        "per-token groups either way.",
+        "component, no scales (key_scale: token adds one per token; needs key_rope: pre). Values: value_coding.",
+    )
+    value_coding: Literal["kivi", "transform"] = Field(
+        default="kivi",
+        description="How values are stored. kivi: per-token groups (value_group_size channels), a scale and zero point "
+        "each; transform (needs coding: transform): each token's values of all KV heads coded as one vector in the "
+        "principal axes of the layer's values on calibration text (fitted when the stack is applied, as key_basis: "
+        "calibrated), bits allocated per component by variance, Lloyd-Max levels per component, no scales.",
     )
     key_basis: Literal["weights", "calibrated"] = Field(
         default="weights",
@@ -135,18 +146,27 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"coding", "key_basis", "key_scale", "rotate", "rotate_seed", "key_rope", "codebook", "value_clip",
-                    "scale_dtype"}
+            return {"coding", "value_coding", "key_basis", "key_scale", "rotate", "rotate_seed", "key_rope",
+                    "codebook", "value_clip", "scale_dtype"}
         inactive = set() if self.rotate == "random" else {"rotate_seed"}
+        if self.values_coded:
+            inactive |= {"value_group_size"}
         return inactive if self.transform_coded else inactive | {"key_basis", "key_scale"}
 
     @property
     def transform_coded(self) -> bool:
         return self.coding == "transform"
 
-    def calibrates_keys(self, bits: list[int]) -> bool:
-        """Whether applying the stack fits the keys' basis on calibration text (``key_basis: calibrated``)."""
-        return self.transform_coded and self.key_basis == "calibrated" and any(b != 16 for b in bits)
+    @property
+    def values_coded(self) -> bool:
+        """Whether the values are transform-coded (``value_coding: transform``)."""
+        return self.value_coding == "transform"
+
+    def calibrates(self, bits: list[int]) -> bool:
+        """Whether applying the stack fits bases on calibration text (``key_basis: calibrated`` or
+        ``value_coding: transform``)."""
+        calibrated = self.key_basis == "calibrated" or self.values_coded
+        return self.transform_coded and calibrated and any(b != 16 for b in bits)
 
     def check_quant_options(self, bits: list[int]) -> None:
         """Shape-independent checks (``bits``: the quantized widths the stage stores)."""
@@ -155,6 +175,20 @@ class QuantOptions(BaseModel):
                 "key_rope", self.key_rope,
                 "'pre' with coding: transform (keys are coded before RoPE, in the k_proj weight's basis)",
             )
+        if self.values_coded and bits:
+            if not self.transform_coded:
+                raise spec_error(
+                    "value_coding", "transform", "'kivi' unless coding: transform (values are transform-coded with "
+                    "transform-coded keys, in the same tier)",
+                )
+            kivi_only = {"rotate": (self.rotate, "none"), "codebook": (self.codebook, "uniform"),
+                         "value_clip": (self.value_clip, False)}
+            for name, (value, default) in kivi_only.items():
+                if value != default:
+                    raise spec_error(
+                        name, value, f"{default!r} with value_coding: transform ({name} acts on KIVI values; "
+                        "transform-coded values have their own basis and levels)",
+                    )
         if self.codebook == "nf" and bits and all(b == 8 for b in bits):
             raise spec_error(
                 "codebook", "nf", "uniform with bits=8 (normal-float levels are for bits 2, 3 or 4; an 8-bit level "
@@ -167,6 +201,12 @@ class QuantOptions(BaseModel):
             return
         if self.transform_coded:
             check_transform_shape(shape)
+        if self.values_coded and (shape.num_kv_heads * shape.value_dim) % BLOCK:
+            raise spec_error(
+                "value_coding", "transform",
+                f"'kivi' for this model: num_kv_heads x value_dim = {shape.num_kv_heads * shape.value_dim} must be a "
+                f"multiple of {BLOCK} (value components share a width in blocks of {BLOCK})",
+            )
         if self.scale_dtype != "model":
             sdt = SCALE_DTYPES[self.scale_dtype]
             if _itemsize(sdt) >= _itemsize(shape.dtype):

@@ -49,7 +49,7 @@ from kvstack.stack.registry import register_stage
 from kvstack.stack.tiers import EMPTY, ExactTier, bytewise, gather_records, gather_tokens, take_channels, widen_channels
 
 from ._quant_options import QuantizationError, QuantOptions, TierCodec
-from ._transform_tier import calibrate_key_bases, coder_bytes, transform_tier, transform_token_bytes
+from ._transform_tier import calibrate_bases, coder_bytes, transform_tier, transform_token_bytes
 
 __all__ = [
     "QuantOptions", "QuantizationError", "QuantizeSpec", "QuantizedTier", "TierCodec", "check_quant_params",
@@ -431,11 +431,16 @@ class QuantizeSpec(StageSpec, QuantOptions):
         return self.quant_option_fields_inactive([self.bits])
 
     @property
+    def value_bits(self) -> int | None:
+        """The values' bits when transform-coded (``bits``); None: KIVI values."""
+        return self.bits if self.values_coded else None
+
+    @property
     def modifies_model(self) -> bool:  # type: ignore[override]
-        return self.calibrates_keys([self.bits])
+        return self.calibrates([self.bits])
 
     def prepare_model(self, model, calibration=None):
-        return calibrate_key_bases(model, calibration, "quantize key_basis=calibrated")
+        return calibrate_bases(model, calibration, "quantize key_basis=calibrated")
 
     def validate_with(self, stack_budget) -> None:
         if isinstance(self.value_group_size, int) and self.value_group_size < 1:
@@ -478,7 +483,7 @@ class QuantizeSpec(StageSpec, QuantOptions):
             if self.transform_coded:  # every part per token: no key groups, no holes
                 scale_bytes = _itemsize(sdt or plan.dtype)
                 per_token = round(transform_token_bytes(shape, self.bits, self.bits, vg, scale_bytes, extra,
-                                                         self.key_scale))
+                                                         self.key_scale, self.value_bits))
                 cost = lambda n, c=per_token: n * c  # noqa: E731
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
@@ -496,7 +501,8 @@ class QuantizeSpec(StageSpec, QuantOptions):
             layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
             if quantized:  # a random rotation's matrix, or the transform coders, exist from the first quantized token
                 layer.fixed_bytes += self.fixed_bytes(shape) + (
-                    coder_bytes(shape, self.bits, plan.dtype, self.key_scale) if self.transform_coded else 0
+                    coder_bytes(shape, self.bits, plan.dtype, self.key_scale, self.value_bits) if self.transform_coded
+                    else 0
                 )
 
     def build(self, shape, stack_budget) -> "QuantizeStage | None":
@@ -527,7 +533,8 @@ class QuantizeStage(Stage):
         codec = self.spec.codec(self.shape, layer.layer_idx)
         if self.spec.transform_coded:
             tier = transform_tier(self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label,
-                                  "quantized", codec, basis=self.spec.key_basis, key_scale=self.spec.key_scale)
+                                  "quantized", codec, basis=self.spec.key_basis, key_scale=self.spec.key_scale,
+                                  value_bits=self.spec.value_bits)
         else:
             tier = QuantizedTier(
                 self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,

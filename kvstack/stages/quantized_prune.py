@@ -65,7 +65,7 @@ from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
 from ._quant_options import QuantOptions
-from ._transform_tier import calibrate_key_bases, coder_bytes, key_code_bits, transform_tier, transform_token_bytes
+from ._transform_tier import calibrate_bases, coder_bytes, key_code_bits, transform_tier, transform_token_bytes
 from .quantize import (
     QuantizedTier, check_quant_params, check_quant_shape, quantized_slot_bytes, quantized_token_bytes, value_group_for,
 )
@@ -81,16 +81,18 @@ KEY_WIDTHS = [k * KEY_BITS_STEP for k in range(1, int(MAX_BITS / KEY_BITS_STEP) 
 
 
 def _key_width(value: float) -> float | int:
-    """An integral width as an int (``4``, not ``4.0``: tier names and messages read ``k4v3``); others as given."""
+    """A key or transform-coded value width: an integral one as an int (``4``, not ``4.0``: tier names and messages
+    read ``k4v3``), others as given."""
     if value != value or not KEY_BITS_STEP <= value <= MAX_BITS or (value / KEY_BITS_STEP) % 1:
         raise ValueError(
-            f"key bits {value:g} are not a multiple of {KEY_BITS_STEP} in [{KEY_BITS_STEP}, {MAX_BITS}] (integers 1-8; "
-            "with coding: kivi 2, 3, 4 or 8)"
+            f"{value:g} bits per element is not a multiple of {KEY_BITS_STEP} in [{KEY_BITS_STEP}, {MAX_BITS}] "
+            "(integers 1-8; KIVI-coded keys 2, 3, 4 or 8)"
         )
     return int(value) if float(value).is_integer() else float(value)
 
 
-#: the keys' bits per element: an integer, or (``coding: transform``) a multiple of :data:`KEY_BITS_STEP`
+#: the keys' (or transform-coded values') bits per element: an integer, or (``coding: transform``) a multiple of
+#: :data:`KEY_BITS_STEP`
 KeyBits = Annotated[float, AfterValidator(_key_width)]
 
 
@@ -109,6 +111,12 @@ class PrecisionTier(BaseModel):
         "or 8 with coding: kivi; with coding: transform the average per element, a multiple of 0.25 from 0.25 to 8 "
         "whose total per token (key_bits x num_kv_heads x head_dim) is a multiple of 8 bits.",
     )
+    value_bits: KeyBits | None = Field(
+        default=None,
+        description="value_coding: transform only — the values' average bits per element when they differ from "
+        "bits, a multiple of 0.25 from 0.25 to 8 whose total per token (value_bits x num_kv_heads x value_dim) is a "
+        "multiple of 8 bits.",
+    )
     fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the kept tokens.")
     rest: bool = Field(default=False, description="Every kept token the tiers above do not take (last tier only).")
     fill: bool = Field(
@@ -123,8 +131,11 @@ class PrecisionTier(BaseModel):
             raise ValueError(
                 f"a tier sets exactly one of 'fraction', 'rest: true' or 'fill: true'; got {self.model_dump()}"
             )
-        if self.bits == 16 and self.key_bits is not None:
-            raise ValueError(f"key_bits={self.key_bits} on a 16-bit tier: key_bits is for quantized tiers (bits 2-8)")
+        for name in ("key_bits", "value_bits"):
+            if self.bits == 16 and getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} on a 16-bit tier: {name} is for quantized tiers (bits 2-8)"
+                )
         return self
 
     @property
@@ -133,9 +144,17 @@ class PrecisionTier(BaseModel):
         return self.bits if self.key_bits is None else self.key_bits
 
     @property
+    def values(self) -> float:
+        """The values' bits (fractional only with value_coding: transform)."""
+        return self.bits if self.value_bits is None else self.value_bits
+
+    @property
     def tier_name(self) -> str:
-        """The name of the layer tier that holds this level (``quantized3``; ``quantized-k4v3`` with other key bits)."""
-        return f"quantized{self.bits}" if self.keys == self.bits else f"quantized-k{self.keys}v{self.bits}"
+        """The name of the layer tier that holds this level (``quantized3``; ``quantized-k4v3`` with other key or
+        value bits)."""
+        if self.keys == self.bits == self.values:
+            return f"quantized{self.bits}"
+        return f"quantized-k{self.keys}v{self.values}"
 
 
 @register_stage
@@ -175,10 +194,10 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
 
     @property
     def modifies_model(self) -> bool:  # type: ignore[override]
-        return self.calibrates_keys(self.quantized_bits())
+        return self.calibrates(self.quantized_bits())
 
     def prepare_model(self, model, calibration=None):
-        return calibrate_key_bases(model, calibration, "quantized_prune key_basis=calibrated")
+        return calibrate_bases(model, calibration, "quantized_prune key_basis=calibrated")
 
     def keeps_budget(self) -> bool:
         """The ``tiers`` form sizes its levels to the budget in bytes; the ``bits`` short form keeps every token
@@ -201,7 +220,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         update = {}
         bits = (self.layer_bits or {}).get(layer_idx)
         if bits is not None:  # keys and values
-            update = {"bits": bits, "key_bits": None}
+            update = {"bits": bits, "key_bits": None, "value_bits": None}
         key_bits = (self.layer_key_bits or {}).get(layer_idx)
         if key_bits is not None:
             update["key_bits"] = key_bits
@@ -278,6 +297,13 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 check_quant_params(bits, self.group_size, None, None)
         for bits in values:
             check_quant_params(bits, None, value_group, None)
+        coded_values = [t.value_bits for t in self.tiers or [] if t.value_bits is not None]
+        if coded_values and not self.values_coded:
+            raise spec_error(
+                "tiers.value_bits", coded_values[0],
+                "none with value_coding: kivi (fractional value widths are for value_coding: transform; KIVI values "
+                "take the tier's bits)",
+            )
         self.check_quant_options(self.quantized_bits())
 
     def validate_in_stack(self, position, stages) -> None:
@@ -300,6 +326,17 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                         field, bits,
                         f"a width whose bits per token, key_bits x {c} key components (num_kv_heads x head_dim), "
                         f"are a multiple of 8 on this model: {', '.join(f'{_key_width(k)}' for k in steps[:6])}, ...",
+                    )
+        if self.values_coded:
+            for level in self.levels():
+                if level.bits != 16 and key_code_bits(shape, level.values, shape.value_dim) is None:
+                    c = shape.num_kv_heads * shape.value_dim
+                    steps = [k for k in KEY_WIDTHS if key_code_bits(shape, k, shape.value_dim)]
+                    raise spec_error(
+                        "tiers.value_bits" if level.value_bits is not None else "tiers.bits", level.values,
+                        f"a width whose bits per token, value_bits x {c} value components (num_kv_heads x "
+                        f"value_dim), are a multiple of 8 on this model: "
+                        f"{', '.join(f'{_key_width(k)}' for k in steps[:6])}, ...",
                     )
         for name, per_layer in self._per_layer().items():
             if max(per_layer) >= shape.num_layers:
@@ -324,7 +361,8 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
             return 0
         coders = 0
         if self.transform_coded:
-            coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype, self.key_scale)
+            coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype, self.key_scale,
+                                     self.coded_value_bits(level))
                          for level in self.levels(layer_idx) if level.bits != 16)
         return QuantOptions.fixed_bytes(self, shape) + coders
 
@@ -396,13 +434,18 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         """Newest positions always in the top tier: ``recent``, or the scorer's own window when it is larger."""
         return max(self.recent, get_scorer(self.scorer)(self, shape).protected_recent())
 
+    def coded_value_bits(self, level: PrecisionTier) -> float | None:
+        """The values' bits of a quantized level when transform-coded (``value_coding: transform``); None: KIVI."""
+        return level.values if self.values_coded else None
+
     def slot_bytes(self, shape, dtype, level: PrecisionTier, extra: int):
         """Exact cost of ``n`` slots of one quantized level per batch row (``quantized_slot_bytes`` with the options;
         with ``coding: transform`` its codes per token)."""
         vg = value_group_for(self.value_group_size, self.group_size, shape)
         if self.transform_coded:
             e = _itemsize(self.scale_torch_dtype() or dtype)
-            per_token = round(transform_token_bytes(shape, level.keys, level.bits, vg, e, extra, self.key_scale))
+            per_token = round(transform_token_bytes(shape, level.keys, level.bits, vg, e, extra, self.key_scale,
+                                                    self.coded_value_bits(level)))
             return lambda n: n * per_token
         return quantized_slot_bytes(
             shape, dtype, level.bits, self.group_size, vg, extra, scale_dtype=self.scale_torch_dtype(),
@@ -618,7 +661,7 @@ class QuantizedPruneStage(Stage):
             if self.spec.transform_coded:
                 tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
                                       level.tier_name, codec, holder, basis=self.spec.key_basis,
-                                      key_scale=self.spec.key_scale)
+                                      key_scale=self.spec.key_scale, value_bits=self.spec.coded_value_bits(level))
             else:
                 tier = QuantizedTier(
                     level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
