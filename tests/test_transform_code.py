@@ -205,3 +205,19 @@ def test_scale_tokens_is_an_exact_decomposition_with_the_rounded_scale(seed, dty
     step = max(torch.finfo(dtype).eps, 1e-5)  # the rounding of s, or float32 arithmetic
     assert float(s[0].float()) == torch.finfo(dtype).smallest_normal and float(z[0].abs().max()) == 0.0
     assert torch.allclose(z[1:].pow(2).mean(-1).sqrt(), torch.ones(63), rtol=step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_scale_fitted_on_one_token_codes_it_and_the_next_ones(dtype):
+    """A tier whose first assignment is one token fits the gain-shape scale on it: no spread to measure against, so
+    scales are relative to 1, that token's ``z`` is 0 (not 0 / 0, which coded NaN keys when tokens were demoted one at
+    a time), and later tokens decompose exactly."""
+    one = torch.randn(1, 16, generator=torch.Generator().manual_seed(0)) + 2.0
+    mean, rms = fit_token_scale(one)
+    assert float(rms) == 1.0 and torch.equal(mean, one[0])
+    z, s = scale_tokens(one, mean, rms, dtype)
+    assert float(z.abs().max()) == 0.0
+    later = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    z, s = scale_tokens(later, mean, rms, dtype)
+    assert bool(torch.isfinite(z).all())
+    assert torch.allclose(mean + (s.float() * rms)[:, None] * z, later, rtol=1e-5, atol=1e-5)

@@ -285,7 +285,9 @@ def fit_token_scale(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not y.shape[0]:
         return y.new_zeros(y.shape[-1]), y.new_ones(1)
     mean = y.mean(0)
-    rms = (y - mean).pow(2).mean(-1).sqrt().mean().clamp_min(torch.finfo(torch.float32).tiny)
+    rms = (y - mean).pow(2).mean(-1).sqrt().mean()
+    # one sample (or identical ones) has no spread to measure against: then scales are relative to 1
+    rms = torch.where(rms > torch.finfo(torch.float32).tiny, rms, torch.ones_like(rms))
     return mean, rms.reshape(1)
 
 
@@ -299,7 +301,9 @@ def scale_tokens(
     centred = y.float() - mean
     info = torch.finfo(dtype)
     stored = (centred.pow(2).mean(-1).sqrt() / rms).clamp(info.smallest_normal, info.max).to(dtype)
-    return centred / (stored.float() * rms)[..., None], stored
+    # a vector equal to the mean has the smallest scale; its product with rms may underflow, and 0 / 0 is no code
+    divisor = (stored.float() * rms).clamp_min(torch.finfo(torch.float32).tiny)
+    return centred / divisor[..., None], stored
 
 
 def transform_reference(x: torch.Tensor, basis: torch.Tensor, code: ComponentCode) -> torch.Tensor:
