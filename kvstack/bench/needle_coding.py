@@ -115,20 +115,20 @@ def measure(model, tokenizer, tasks: list[dict], codings: list[str], max_new_tok
 
     parsed = {text: parse_coding(text) for text in codings}
     shape = ModelShape.from_model(model)
+    layers = range(shape.num_layers)
+    key_sources = {basis for key, basis, _, _ in parsed.values() if key < EXACT and basis != "own"}
+    coded_values = any(vb == "calibrated" and bits < EXACT for _, _, bits, vb in parsed.values())
     bases: dict[str, dict[int, torch.Tensor]] = {}
-    for source in {basis for key, basis, _, _ in parsed.values() if key < EXACT and basis != "own"}:
-        undo = calibrate_bases(model) if source == "calibrated" else (lambda: None)
-        try:
-            bases[source] = {i: key_basis(shape, i, source) for i in range(shape.num_layers)}
-        finally:
-            undo()
     value_bases = None
-    if any(vb == "calibrated" and bits < EXACT for _, _, bits, vb in parsed.values()):
-        undo = calibrate_bases(model)  # the same fit as the keys' (kept with the model)
-        try:
-            value_bases = {i: value_basis(shape, i) for i in range(shape.num_layers)}
-        finally:
-            undo()
+    # one calibration pass fits the keys' and the values' bases together
+    undo = calibrate_bases(model) if "calibrated" in key_sources or coded_values else (lambda: None)
+    try:
+        for source in key_sources:
+            bases[source] = {i: key_basis(shape, i, source) for i in layers}
+        if coded_values:
+            value_bases = {i: value_basis(shape, i) for i in layers}
+    finally:
+        undo()
     eos = real_model._eos_ids(model, tokenizer)
     rows = []
     for index, task in enumerate(tasks):
