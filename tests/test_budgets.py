@@ -16,6 +16,8 @@ from kvstack.stack.spec import preset_names
 
 BUDGETED = [name for name in preset_names() if kvstack.StackSpec.load(name).budget is not None]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: layer_weights drawn for one of the two layers (the other 1): a share that starves it or one that takes most
+WEIGHTS = st.sampled_from([0.25, 2.0, 8.0])
 
 
 def llama(head_dim: int, dtype: torch.dtype, kv_heads: int = 2, layers: int = 2, seed: int = 0):
@@ -70,6 +72,10 @@ def scenarios(draw):
     elif choice == "tokens":
         floor = max((s.protected_count() for s in spec.stages if hasattr(s, "protected_count")), default=1)
         spec = spec.with_overrides(budget={"tokens": draw(st.integers(max(floor, 16), 200))})
+    if draw(st.booleans()):  # the budget shared unevenly between the 2 layers
+        weights = {draw(st.integers(0, 1)): draw(WEIGHTS)}
+        spec = spec.with_overrides(stages=[s.model_dump() | ({"layer_weights": weights} if "layer_weights" in
+                                                             type(s).model_fields else {}) for s in spec.stages])
     head_dim = draw(st.sampled_from([8, 16, 32, 64]))
     dtype = draw(st.sampled_from(DTYPES))
     prompt = draw(st.integers(1, 300))
@@ -130,6 +136,8 @@ def quantized_prune_options(draw):
         stage["layer_bits"] = {draw(st.integers(0, 1)): draw(st.sampled_from([2, 4, 8]))}
     if sum(t["bits"] != 16 for t in tiers) == 1 and draw(st.booleans()):
         stage["layer_key_bits"] = {draw(st.integers(0, 1)): draw(key_widths)}
+    if draw(st.booleans()):
+        stage["layer_weights"] = {draw(st.integers(0, 1)): draw(WEIGHTS)}
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
     else:

@@ -238,6 +238,23 @@ def test_pyramid_schedule_same_average_decreasing():
     assert [layer.tokens for layer in bound.layers] == caps
 
 
+def test_layer_weights_scale_the_schedule_and_keep_the_total():
+    """``layer_weights: {0: 3}`` over a pyramid: each layer's share is its pyramid share times its weight, normalised so
+    the shares sum to the layer count; the caps and the analytic plan follow, and the budget's total is unchanged."""
+    spec = EvictSpec(scorer="window", budget={"tokens": 40}, schedule="pyramid", pyramid_spread=0.5,
+                     layer_weights={0: 3})
+    shape = ModelShape("llama", 3, HQ, HKV, D, torch.float32, (None,) * 3)
+    raw = [3 * 1.5, 1.0, 0.5]
+    shares = [spec.layer_scale(i, shape) for i in range(3)]
+    assert shares == pytest.approx([3 * r / sum(raw) for r in raw]) and sum(shares) == pytest.approx(3)
+    caps = [spec.layer_cap(shape, torch.float32, None, i, 1000) for i in range(3)]
+    assert caps == [int(scale * 40 * 128 + 1e-9) // 132 for scale in shares]
+    assert [layer.tokens for layer in kvstack.StackSpec(stages=[spec]).memory_plan(shape, 1000).layers] == caps
+    model = tiny_model("llama", num_hidden_layers=3)
+    with pytest.raises(kvstack.SpecError, match=r"layer_weights=\{3: 2.0\} is not allowed: layer indices 0..2"):
+        kvstack.apply(model, {"budget": {"tokens": 40}, "stages": [{"kind": "evict", "layer_weights": {3: 2}}]})
+
+
 def test_every_slack_is_in_the_memory_bound():
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(

@@ -9,6 +9,7 @@ import torch
 
 import kvstack
 from kvstack.stack import spec_doc
+from kvstack.stages.quantized_prune import PrecisionTier
 
 PRESETS = kvstack.preset_names()
 REPO = Path(__file__).resolve().parents[1]
@@ -41,3 +42,12 @@ def test_spec_reference_is_current():
     """docs/spec-reference.md is generated from the code: regenerate with
     `kvstack schema --format markdown --out docs/spec-reference.md`."""
     assert (REPO / "docs" / "spec-reference.md").read_text() == spec_doc.render()
+
+
+def test_spec_reference_documents_nested_objects():
+    """Objects a stage field holds (a tier of `tiers`) get their own table, with every field, once."""
+    text = spec_doc.render()
+    section = text.split("### `PrecisionTier`", 1)[1].split("\n## ", 1)[0]
+    for field in PrecisionTier.model_fields:
+        assert f"| `{field}` |" in section
+    assert text.count("### `PrecisionTier`") == 1 and "### `Budget`" not in text

@@ -278,6 +278,39 @@ def test_layer_bits_give_a_layer_its_bits_and_a_share_of_the_budget_by_what_its_
     assert all(r[1] > r[0] and r[0] < 0.3 for r in ratios[-4:])  # the 4-bit layer holds more, the others less than 0.3
 
 
+@pytest.mark.parametrize("coding", ["kivi", "transform"])
+def test_layer_weights_move_the_budget_between_layers_and_keep_the_total(coding):
+    """``layer_weights: {1: 4}`` on a 3-layer stack under ``ratio: 0.125``: layer 1 gets 4x the share of the others
+    (2 of 3 layers' worth against 0.5 each), holds more tokens than they do at the same bits, and the whole cache
+    keeps the budget. Layers with the same bits but other weights are sized apart (they once shared one split)."""
+    model = tiny_model("llama", head_dim=16, num_hidden_layers=3)
+    options = {"coding": "transform", "key_basis": "weights", "key_rope": "pre", "tiers": [{"fill": True, "bits": 16},
+               {"rest": True, "bits": 2, "key_bits": 2}]} if coding == "transform" else {"tiers": FILL_3}
+    spec = kvstack.StackSpec.load(stack(
+        stack_budget={"ratio": 0.125}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
+        scale_dtype="float8_e4m3fn", layer_weights={1: 4}, **options,
+    ))
+    shape = kvstack.ModelShape.from_model(model)
+    assert [spec.stages[0].layer_scale(i, shape) for i in range(3)] == pytest.approx([0.5, 2, 0.5])
+    with kvstack.applied(model, spec):
+        for cache in drive(model, None, prefill=300, steps=12):
+            assert cache.memory_bytes() <= 0.125 * cache.full_bytes()  # the promise, for the whole cache
+            held = [sum(counts(layer).values()) for layer in cache.layers]
+            assert held[0] == held[2] and held[1] > 2 * held[0]
+            for layer in cache.layers:
+                assert layer.memory_bytes() <= layer.limit_bytes()
+            assert cache.layers[1].limit_bytes() == pytest.approx(4 * cache.layers[0].limit_bytes(), abs=2)
+
+
+def test_layer_weights_compose_with_layer_bits():
+    """Shares follow the quantized token's cost times the weight, normalised to the layer count."""
+    spec = QuantizedPruneSpec(scorer="window", group_size=8, tiers=FILL_3, layer_bits={2: 4}, layer_weights={0: 3})
+    shape = kvstack.ModelShape.from_model(tiny_model("llama", head_dim=16, num_hidden_layers=3))
+    costs = [spec.level_costs(shape, torch.float32, i)[-1] for i in range(3)]
+    raw = [3 * costs[0], costs[1], costs[2]]
+    assert [spec.layer_scale(i, shape) for i in range(3)] == pytest.approx([3 * r / sum(raw) for r in raw])
+
+
 def test_all_tokens_at_16_bits_is_the_identity():
     model = tiny_model("llama", dtype=torch.float64)  # h2o's statistics take the tiled path, identity SDPA
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -326,6 +359,12 @@ def test_all_tokens_at_16_bits_is_the_identity():
         ({"tiers": TIERS, "layer_key_bits": {0: 4}},
          r"layer_key_bits=\{0: 4\} is not allowed: none with 2 quantized levels"),
         ({"tiers": FILL_3, "group_size": 8, "budget": {"ratio": 0.5}, "layer_key_bits": {-2: 4}}, r"layer_key_bits=\{-2: 4\} .* layer indices from 0"),
+        ({"tiers": FILL_3, "group_size": 8, "layer_weights": {0: 0}},
+         r"layer_weights.0: Input should be greater than 0"),
+        ({"tiers": FILL_3, "group_size": 8, "layer_weights": {0: float("nan")}}, r"layer_weights.0: Input should be a "
+         r"finite number"),
+        ({"tiers": FILL_3, "group_size": 8, "layer_weights": {-1: 2}}, r"layer_weights.-1.\[key\]: Input should be "
+         r"greater than or equal to 0"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):
@@ -395,6 +434,8 @@ def test_layer_bits_name_layers_of_the_model():
         kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_bits={5: 4}))
     with pytest.raises(kvstack.SpecError, match=r"layer_key_bits=\{2: 4\} is not allowed: layer indices 0..1"):
         kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_key_bits={2: 4}))
+    with pytest.raises(kvstack.SpecError, match=r"layer_weights=\{2: 4.0\} is not allowed: layer indices 0..1"):
+        kvstack.apply(model, stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3, layer_weights={2: 4}))
     plain = kvstack.StackSpec.load(stack(stack_budget={"ratio": 0.5}, group_size=8, tiers=FILL_3))
     assert "layer_bits" not in plain.to_yaml()
     mixed = plain.with_overrides(stages=[{**plain.stages[0].model_dump(), "layer_bits": {1: 4}}])

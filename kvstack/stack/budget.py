@@ -21,11 +21,12 @@ than a quarter of the budget would leave too little for exact tokens); tokens ev
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Callable
 
 import torch
+from pydantic import BaseModel, Field, NonNegativeInt
 
-from .base import Budget, StageSpec
+from .base import Budget, StageSpec, spec_error
 from .errors import SpecError
 from .shape import ModelShape
 
@@ -60,6 +61,33 @@ def promise(spec: "StackSpec") -> tuple[Budget, StageSpec] | None:
     if budget is None:
         return None
     return budget, owner
+
+
+class LayerWeights(BaseModel):
+    """Spec field of the stages that size what they keep to a budget (``evict``, ``quantized_prune``): how the
+    stack's bytes are shared between layers. Needle retrieval on SmolLM2 reads a third of the layers (docs/budgets.md,
+    "Layer weights"): given the bytes the others can spare, an eighth of the cache finds 39 / 34 / 25 of 40 needles
+    at 1K / 2K / 4K (the full cache 40 / 39 / 29). List this class before ``StageSpec`` in the stage's bases."""
+
+    layer_weights: dict[NonNegativeInt, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
+        default=None,
+        description="{layer index: weight}: a listed layer gets weight x the budget of an unlisted one (weight 1), "
+        "the shares scaled so that all layers together hold the stack's budget (e.g. the layers that retrieve: "
+        "python -m kvstack.bench.retrieval_layers).",
+    )
+
+    def weighted_scale(self, layer_idx: int, shape: ModelShape, base: Callable[[int], float]) -> float:
+        """Layer ``layer_idx``'s share of the budget relative to the mean: ``base(i)`` (the stage's own per-layer
+        share, 1 for a uniform one) times its weight, normalised so the shares of all layers sum to their number."""
+        weights = self.layer_weights or {}
+        n = shape.num_layers
+        raw = [weights.get(i, 1.0) * base(i) for i in range(n)]
+        return raw[layer_idx] * n / sum(raw)
+
+    def check_layer_weights(self, shape: ModelShape) -> None:
+        if self.layer_weights and max(self.layer_weights) >= shape.num_layers:
+            raise spec_error("layer_weights", self.layer_weights,
+                             f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)")
 
 
 class LayerPromise:

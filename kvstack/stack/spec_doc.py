@@ -44,8 +44,9 @@ def _bounds(info: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def model_table(model: type[BaseModel]) -> str:
-    schema = model.model_json_schema()
+def model_table(model: type[BaseModel] | dict[str, Any]) -> str:
+    """The fields of a model (or of one model's JSON schema, as a ``$defs`` entry gives it) as a markdown table."""
+    schema = model if isinstance(model, dict) else model.model_json_schema()
     defs = schema.get("$defs", {})
     required = set(schema.get("required", []))
     rows = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
@@ -77,9 +78,15 @@ def render() -> str:
         "",
         model_table(Budget),
     ]
+    documented = {"Budget"}
     for kind, spec in stage_specs().items():
         doc = " ".join((spec.__doc__ or "").split())
         out += ["", f"## Stage `kind: {kind}`", "", doc, "", model_table(spec)]
+        for name, nested in spec.model_json_schema().get("$defs", {}).items():
+            if name not in documented and "properties" in nested:  # an object a field holds, e.g. a tier
+                documented.add(name)
+                out += ["", f"### `{name}`", "", " ".join(nested.get("description", "").split()), "",
+                        model_table(nested)]
     return "\n".join(out + scorer_sections()) + "\n"
 
 

@@ -21,8 +21,9 @@ The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/`` (`
 * when: ``phase`` ``always`` (after every forward), ``prefill`` (forwards of the prompt: more than one query, or the
   first forward) or ``decode`` (the others); ``every: N`` lets the layer grow N - 1 tokens past the budget before it
   compresses back to it (one eviction per N decode steps; the slack is inside the budget: the cap is N - 1 tokens
-  lower); ``chunk_size`` runs long prompts in pieces with a compression after each, so the peak holds
-  at most budget + chunk_size tokens (+ N - 1).
+  lower); ``layer_weights`` moves bytes between layers on top of the schedule (``{layer: w}``: w x an unlisted
+  layer's share; the total stays the budget); ``chunk_size`` runs long prompts in pieces with a compression after
+  each, so the peak holds at most budget + chunk_size tokens (+ N - 1).
 
 Selection goes through ``StackLayer.retain``: padding is never kept nor counted, and evicted tokens are folded into
 the layer's state tier when the stack has one.
@@ -37,7 +38,7 @@ import torch
 from pydantic import Field
 
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
+from kvstack.stack.budget import LayerPromise, LayerWeights, reference_bytes_per_token
 from kvstack.stack.memory import full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -45,7 +46,7 @@ from .scorers import ScorerOptions, get_scorer, keep_order, protected_tokens, un
 
 
 @register_stage
-class EvictSpec(ScorerOptions, StageSpec):
+class EvictSpec(ScorerOptions, LayerWeights, StageSpec):
     """Evict tokens by a scoring policy to a budget."""
 
     kind: Literal["evict"] = "evict"
@@ -107,6 +108,7 @@ class EvictSpec(ScorerOptions, StageSpec):
 
     def validate_for(self, shape, stack_budget) -> None:
         self.validate_with(stack_budget)
+        self.check_layer_weights(shape)
 
     # --------------------------------------------------------------------------------------------- budgets
     def token_cost(self, shape, dtype) -> int:
@@ -117,10 +119,13 @@ class EvictSpec(ScorerOptions, StageSpec):
         )
 
     def layer_scale(self, layer_idx: int, shape) -> float:
-        num_layers = shape.num_layers
-        if self.schedule == "pyramid" and num_layers > 1:
-            return 1 + self.pyramid_spread * (1 - 2 * layer_idx / (num_layers - 1))
-        return 1.0
+        """The schedule's share of layer ``layer_idx`` (pyramid: linear in depth), times its ``layer_weights``."""
+        last = shape.num_layers - 1
+
+        def scheduled(i: int) -> float:
+            return 1 + self.pyramid_spread * (1 - 2 * i / last) if self.schedule == "pyramid" and last else 1.0
+
+        return self.weighted_scale(layer_idx, shape, scheduled)
 
     def layer_caps(self, shape, dtype, stack_budget, reference=None) -> list["LayerCap"]:
         """Per layer, the tokens per (row, KV head) it may keep after ``seen`` tokens with ``reserved`` bytes per row

@@ -29,6 +29,9 @@ among 3-bit ones may hold more bytes, the others less; the shares sum to the num
 budget's). ``key_bits`` on a quantized tier stores its keys at other bits than its values, and ``layer_key_bits:
 {layer index: bits}`` does so for the one quantized level in the layers listed (after ``layer_bits``; shares as
 above): on SmolLM2 the keys' 3-bit error, not the values', carries most of the KL, and it sits in a few layers.
+``layer_weights: {layer index: weight}`` moves budget between layers on top of that (a listed layer gets weight x an
+unlisted one's share; the total stays the budget's): on SmolLM2 a third of the layers retrieve the needle, and with
+the whole context at 4 bits in them an eighth of the cache finds most needles (docs/budgets.md).
 
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
 quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
@@ -60,7 +63,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.kernels.transform_code import MAX_BITS
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.budget import LayerPromise, reference_bytes_per_token
+from kvstack.stack.budget import LayerPromise, LayerWeights, reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -158,7 +161,7 @@ class PrecisionTier(BaseModel):
 
 
 @register_stage
-class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
+class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
     """Rank tokens with an eviction scorer and store them at a precision that depends on their rank (the quantized
     levels with ``quantize``'s precision options)."""
 
@@ -343,6 +346,7 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
                 raise spec_error(
                     name, per_layer, f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)"
                 )
+        self.check_layer_weights(shape)
 
     # --------------------------------------------------------------------------------------- sizing
     @property
@@ -367,15 +371,15 @@ class QuantizedPruneSpec(ScorerOptions, StageSpec, QuantOptions):
         return QuantOptions.fixed_bytes(self, shape) + coders
 
     def layer_scale(self, layer_idx: int, shape) -> float:
-        """Without per-layer bits 1; with them, the layer's quantized token cost over the mean of all layers'."""
-        per_layer = self._per_layer()
-        if not per_layer:
-            return 1.0
-        cost = lambda i: self.level_costs(shape, shape.dtype, i)[-1]  # noqa: E731  (the one quantized level)
-        n = shape.num_layers
-        listed = sorted({i for layers in per_layer.values() for i in layers if i < n})
-        total = cost(None) * (n - len(listed)) + sum(cost(i) for i in listed)
-        return cost(layer_idx) * n / total
+        """The layer's share of the budget relative to the mean: with per-layer bits, what its quantized tokens cost
+        (1 without them), times its ``layer_weights``."""
+        listed = {i for layers in self._per_layer().values() for i in layers}
+        usual = self.level_costs(shape, shape.dtype)[-1] if listed else 1.0
+
+        def cost(i: int) -> float:  # the one quantized level's token
+            return self.level_costs(shape, shape.dtype, i)[-1] if i in listed else usual
+
+        return self.weighted_scale(layer_idx, shape, cost)
 
     def level_costs(self, shape, dtype, layer_idx: int | None = None) -> list[float]:
         """Amortised bytes of one token per batch row in each level of layer ``layer_idx`` (codes, scales and zero
@@ -640,9 +644,10 @@ class QuantizedPruneStage(Stage):
         self._splits: dict[tuple, LevelSplit] = {}
 
     def split_for(self, layer) -> LevelSplit:
-        # once per dtype held (a model cast after apply holds another dtype) and per layer bits
+        # once per dtype held (a model cast after apply holds another dtype), per layer bits and per layer weight
         i, spec = layer.layer_idx, self.spec
-        key = (layer.full.keys.dtype, (spec.layer_bits or {}).get(i), (spec.layer_key_bits or {}).get(i))
+        key = (layer.full.keys.dtype, (spec.layer_bits or {}).get(i), (spec.layer_key_bits or {}).get(i),
+               (spec.layer_weights or {}).get(i))
         if key not in self._splits:
             self._splits[key] = self.spec.level_split(
                 self.shape, key[0], self.stack_budget, layer.reference, layer.layer_idx
