@@ -19,10 +19,20 @@ def test_choose_takes_the_best_scored_layers_ties_by_index():
     assert choose([0.3, 0.3], top=1, weight=2.5) == {0: 2.5}
 
 
-def test_bad_arguments_are_refused_by_name(capsys):
+def test_bad_arguments_are_refused_by_name(capsys, tmp_path):
     for argv, message in ((["--weight", "0"], "--weight 0 is not allowed"), (["--top", "0"], "--top 0 is not allowed")):
         with pytest.raises(SystemExit):
             retrieval_layers.main(argv)
+        assert message in capsys.readouterr().err
+    # a haystack without texts, or too short for --start/--tasks, is refused before the model loads
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"source": "x"}\n')
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "a b c"}\n')
+    for argv, message in ((["--haystack", str(bad)], "every line must be a JSON object with a 'text'"),
+                          (["--haystack", str(short), "--start", "0", "--tasks", "2"], "the haystack has 1 texts")):
+        with pytest.raises(SystemExit):
+            retrieval_layers.main(["--model", str(tmp_path / "no-model"), *argv])
         assert message in capsys.readouterr().err
 
 

@@ -11,11 +11,11 @@ Each of ``tasks`` passages of the haystack (JSON lines with a ``text``; default 
 transformers' own ``DynamicCache``; the question is then fed with eager attention, which returns its attention
 weights (question tokens x context: nothing grows with the context squared). A KV head's score is the attention
 mass its query heads (the most reading one of each group) put on the needle sentence's tokens, averaged over the
-question's tokens and the tasks; a layer's is its best head's. Prints the layers by score and the ``layer_weights`` of the
-``top`` ones at ``weight``; writes ``DIR/retrieval_layers.json`` (every task's scores, the means, the choice).
+question's tokens and the tasks; a layer's is its best head's. Prints the layers by score and the ``layer_weights``
+of the ``top`` ones at ``weight``; writes ``DIR/retrieval_layers.json`` (every task's scores, the means, the choice).
 
 Nothing here is a memory figure and no stage imports it: it chooses the weights a spec then carries (on SmolLM2 the
-ten layers it names are the same on the code passages and on the needle dev set's own haystack).
+ten layers it names are the same from code passages 0-7 and 24-31).
 """
 
 from __future__ import annotations
@@ -112,12 +112,15 @@ def main(argv=None) -> None:
         parser.error(f"--weight {args.weight:g} is not allowed: greater than 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = args.model or real_model.model_path()
-    model, tokenizer = models.load_causal_lm(source)
     haystack = args.haystack or real_model.code_data_path()
-    texts = real_model.load_code_passages(haystack, n=None)[args.start : args.start + args.tasks]
+    try:
+        texts = real_model.load_code_passages(haystack, n=None)[args.start : args.start + args.tasks]
+    except (KeyError, TypeError, json.JSONDecodeError) as err:
+        parser.error(f"--haystack {haystack}: every line must be a JSON object with a 'text' ({err!r})")
     if len(texts) < args.tasks:
         parser.error(f"--start {args.start} --tasks {args.tasks}: the haystack has {args.start + len(texts)} texts")
+    source = args.model or real_model.model_path()
+    model, tokenizer = models.load_causal_lm(source)
     tasks = planted_tasks(texts, tokenizer, args.length)
     per_task = torch.stack([head_scores(model, tokenizer, task) for task in tasks])  # [tasks, layers, KV heads]
     heads = per_task.mean(0)

@@ -31,15 +31,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class Budget(BaseModel):
     """How much memory a layer may hold, as a promise (docs/budgets.md): ``tokens: n`` — the bytes of ``n``
-    uncompressed tokens per layer (keys + values of every KV head in the model's dtype), and never more than ``n``
-    tokens per KV head; ``ratio: r`` — ``r`` times the bytes of the uncompressed cache of the tokens seen. Every
-    tensor the cache holds counts (codes, scales, zero points, positions, records, state)."""
+    uncompressed tokens per layer (keys + values of every KV head in the model's dtype), and with even per-layer
+    shares never more than ``n`` tokens per KV head (a pyramid schedule, per-layer bits or ``layer_weights`` let a
+    layer hold more, the others less); ``ratio: r`` — ``r`` times the bytes of the uncompressed cache of the tokens
+    seen. Every tensor the cache holds counts (codes, scales, zero points, positions, records, state)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     tokens: int | None = Field(
-        default=None, ge=1, description="The memory of this many uncompressed tokens per layer (and at most that many "
-        "tokens per KV head)."
+        default=None, ge=1, description="The memory of this many uncompressed tokens per layer on average (with even "
+        "per-layer shares, at most that many tokens per KV head)."
     )
     ratio: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Memory ratio of the full cache at the same token count."
