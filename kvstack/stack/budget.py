@@ -65,9 +65,9 @@ def promise(spec: "StackSpec") -> tuple[Budget, StageSpec] | None:
 
 class LayerWeights(BaseModel):
     """Spec field of the stages that size what they keep to a budget (``evict``, ``quantized_prune``): how the
-    stack's bytes are shared between layers. Needle retrieval on SmolLM2 reads a third of the layers (docs/budgets.md,
-    "Layer weights"): given the bytes the others can spare, an eighth of the cache finds 39 / 34 / 25 of 40 needles
-    at 1K / 2K / 4K (the full cache 40 / 39 / 29). List this class before ``StageSpec`` in the stage's bases."""
+    stack's bytes are shared between layers: on SmolLM2 a third of the layers read a planted needle, and giving them
+    the bytes the others can spare is what lets an eighth of the cache find most needles (docs/budgets.md, "Layer
+    weights"). List this class before ``StageSpec`` in the stage's bases."""
 
     layer_weights: dict[NonNegativeInt, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         default=None,
@@ -85,9 +85,14 @@ class LayerWeights(BaseModel):
         return raw[layer_idx] * n / sum(raw)
 
     def check_layer_weights(self, shape: ModelShape) -> None:
-        if self.layer_weights and max(self.layer_weights) >= shape.num_layers:
-            raise spec_error("layer_weights", self.layer_weights,
-                             f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)")
+        check_layer_indices("layer_weights", self.layer_weights, shape)
+
+
+def check_layer_indices(field: str, per_layer: dict[int, object] | None, shape: ModelShape) -> None:
+    """Refuse a ``{layer index: ...}`` field that names a layer past the model's, by name."""
+    if per_layer and max(per_layer) >= shape.num_layers:
+        raise spec_error(field, per_layer,
+                         f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)")
 
 
 class LayerPromise:

@@ -63,7 +63,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.kernels.transform_code import MAX_BITS
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.budget import LayerPromise, LayerWeights, reference_bytes_per_token
+from kvstack.stack.budget import LayerPromise, LayerWeights, check_layer_indices, reference_bytes_per_token
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -342,10 +342,7 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                         f"{', '.join(f'{_key_width(k)}' for k in steps[:6])}, ...",
                     )
         for name, per_layer in self._per_layer().items():
-            if max(per_layer) >= shape.num_layers:
-                raise spec_error(
-                    name, per_layer, f"layer indices 0..{shape.num_layers - 1} (the model has {shape.num_layers} layers)"
-                )
+            check_layer_indices(name, per_layer, shape)
         self.check_layer_weights(shape)
 
     # --------------------------------------------------------------------------------------- sizing
