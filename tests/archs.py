@@ -458,3 +458,16 @@ def refused_model(family: str, seed: int = 0):
         raise ValueError(f"unknown refused family {family!r}; expected one of {list(REFUSED)}")
     model.eval()
     return model
+
+
+def smollm2_shape(dtype=torch.bfloat16):
+    """SmolLM2-135M's cache dimensions (its GGUF's metadata: 30 layers, 9 query / 3 KV heads of 64 channels, RoPE
+    base 1e5), for sizing and validating specs without the model's weights."""
+    from transformers import LlamaConfig
+
+    from kvstack.stack.shape import ModelShape
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0)
+    return ModelShape.from_config(config, dtype=dtype)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-from archs import tiny_model
+from archs import smollm2_shape, tiny_model
 from test_quant_options import OPTION_SETS, SCALE_BYTES, dense  # the options of quantize, on every level here
 
 import kvstack
@@ -583,16 +583,6 @@ def test_a_random_rotation_comes_out_of_the_budget_before_any_token():
     assert held > 0.2 * cache.full_bytes()
 
 
-def _smollm2_shape():
-    """SmolLM2-135M's cache dimensions in bf16 (30 layers, 3 KV heads of 64; no weights needed for the sizing)."""
-    from transformers import LlamaConfig
-
-    from kvstack.stack.shape import ModelShape
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
-    return ModelShape.from_config(config, dtype=torch.bfloat16)
-
 
 @pytest.mark.parametrize(("preset", "sinks_from", "every_token_from"),
                          [("kivi-3-budget", 17, 551), ("transform-budget", 75, 966)])
@@ -603,7 +593,7 @@ def test_the_budget_presets_keep_every_token_from_the_documented_length_with_the
     levels, with its 4 sinks at 16 bits, hold every token of a prompt from ``every_token_from`` tokens on (shorter
     ones drop their oldest tokens after the sinks), and the 4 sinks are in the 16-bit fill tier from ``sinks_from``
     tokens on (before, the budget, less the coders' fixed bytes, cannot hold them: they yield, the first sinks last)."""
-    shape = _smollm2_shape()
+    shape = smollm2_shape()
     spec = kvstack.StackSpec.load(preset)
     split = spec.stages[0].level_split(shape, torch.bfloat16, spec.budget, None, 0)
     short = [n for n in range(8, 2048) if split.cap(n) < n]
