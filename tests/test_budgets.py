@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvstack
-from kvstack.stack.budget import BudgetError, reference_bytes_per_token
+from kvstack.stack.budget import BudgetError, SpilledShares, reference_bytes_per_token
 from kvstack.stack.spec import preset_names
 
 BUDGETED = [name for name in preset_names() if kvstack.StackSpec.load(name).budget is not None]
@@ -72,10 +72,10 @@ def scenarios(draw):
     elif choice == "tokens":
         floor = max((s.protected_count() for s in spec.stages if hasattr(s, "protected_count")), default=1)
         spec = spec.with_overrides(budget={"tokens": draw(st.integers(max(floor, 16), 200))})
-    if draw(st.booleans()):  # the budget shared unevenly between the 2 layers
-        weights = {draw(st.integers(0, 1)): draw(WEIGHTS)}
-        spec = spec.with_overrides(stages=[s.model_dump() | ({"layer_weights": weights} if "layer_weights" in
-                                                             type(s).model_fields else {}) for s in spec.stages])
+    if draw(st.booleans()):  # the budget shared unevenly between the 2 layers, a share a layer cannot use spilled
+        shares = {"layer_weights": {draw(st.integers(0, 1)): draw(WEIGHTS)}, "spill_unused": draw(st.booleans())}
+        spec = spec.with_overrides(stages=[s.model_dump() | (shares if "layer_weights" in type(s).model_fields else {})
+                                           for s in spec.stages])
     head_dim = draw(st.sampled_from([8, 16, 32, 64]))
     dtype = draw(st.sampled_from(DTYPES))
     prompt = draw(st.integers(1, 300))
@@ -94,6 +94,42 @@ def test_memory_never_exceeds_the_budget(scenario):
         run_and_check(model, spec, sizes, batch, pad, seed=len(sizes))
     except BudgetError as err:  # refused before anything ran: only a state too big for a tokens budget
         assert spec.budget.tokens is not None and "low-rank state" in str(err), err
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.1, 8), min_size=1, max_size=8).flatmap(
+        lambda w: st.tuples(st.just(w), st.lists(st.floats(0, 4), min_size=len(w), max_size=len(w)))
+    ),
+    st.integers(1, 5000),
+)
+def test_spilled_shares_fill_to_the_caps_and_never_exceed_the_budget(weights_caps, seen):
+    """Water-filling (``spill_unused``): no layer gets more than it can use, none less than the smaller of its
+    weighted share and what it can use, the layers below their cap are in proportion to their weights, and the shares
+    sum to the layer count unless every layer has all it can use."""
+    weights, caps = weights_caps
+    n = len(weights)
+    scales = [w * n / sum(weights) for w in weights]
+    budget = kvstack.Budget(ratio=0.125)
+    shares = SpilledShares(scales, [lambda s, c=c: c * budget.limit_bytes(s, 128) for c in caps], budget, 128).at(seen)
+    assert sum(shares) <= n + 1e-9
+    for share, scale, cap in zip(shares, scales, caps):
+        assert min(scale, cap) - 1e-9 <= share <= cap + 1e-9
+    below = [i for i in range(n) if shares[i] < caps[i] - 1e-9]
+    if below:
+        assert sum(shares) == pytest.approx(n)
+        assert {round(shares[i] / scales[i], 9) for i in below} == {round(shares[below[0]] / scales[below[0]], 9)}
+
+
+def test_spilled_shares_example():
+    """Three layers with weighted shares 1.8, 0.6, 0.6: layer 0 can use 1.0 of the mean, so 2.0 is left for layers 1
+    and 2 (1.0 each); with layer 1 able to use only 0.5, layer 2 takes 1.5."""
+    budget = kvstack.Budget(ratio=0.5)
+    mean = budget.limit_bytes(100, 10)
+    needs = [lambda s: budget.limit_bytes(s, 10), lambda s: 10 * mean, lambda s: 10 * mean]
+    assert SpilledShares([1.8, 0.6, 0.6], needs, budget, 10).at(100) == pytest.approx([1.0, 1.0, 1.0])
+    needs[1] = lambda s: mean // 2
+    assert SpilledShares([1.8, 0.6, 0.6], needs, budget, 10).at(100) == pytest.approx([1.0, 0.5, 1.5])
 
 
 @st.composite
@@ -138,6 +174,7 @@ def quantized_prune_options(draw):
         stage["layer_key_bits"] = {draw(st.integers(0, 1)): draw(key_widths)}
     if draw(st.booleans()):
         stage["layer_weights"] = {draw(st.integers(0, 1)): draw(WEIGHTS)}
+    stage["spill_unused"] = draw(st.booleans())
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
     else:

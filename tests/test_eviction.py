@@ -255,6 +255,23 @@ def test_layer_weights_scale_the_schedule_and_keep_the_total():
         kvstack.apply(model, {"budget": {"tokens": 40}, "stages": [{"kind": "evict", "layer_weights": {3: 2}}]})
 
 
+def test_spill_unused_gives_a_layer_s_unused_share_to_the_others():
+    """``spill_unused`` with ``layer_weights: {0: 3}`` under ``tokens: 40``: after 50 tokens layer 0 keeps all 50 (its
+    weighted share, 69 tokens, is more than it can use) and the other two split the rest; after 1000 tokens every
+    layer is at its weighted share, as without spilling. The shares sum to the layer count either way."""
+    spec = EvictSpec(scorer="window", budget={"tokens": 40}, layer_weights={0: 3}, spill_unused=True)
+    shape = ModelShape("llama", 3, HQ, HKV, D, torch.float32, (None,) * 3)
+    mean, own = 40 * 128, 132  # the budget's bytes per layer; one kept token with its position
+    caps = [spec.layer_cap(shape, torch.float32, None, i, 50) for i in range(3)]
+    rest = int((3 - 50 * own / mean) / 2 * mean + 1e-9) // own
+    assert caps == [50, rest, rest] and rest > int(0.6 * mean) // own  # more than the unspilled 0.6 share
+    assert [spec.layer_cap(shape, torch.float32, None, i, 1000) for i in range(3)] == [
+        int(scale * mean + 1e-9) // own for scale in (1.8, 0.6, 0.6)
+    ]
+    plain = spec.model_copy(update={"spill_unused": False})
+    assert [plain.layer_cap(shape, torch.float32, None, i, 50) for i in range(3)] == [69, 23, 23]
+
+
 def test_every_slack_is_in_the_memory_bound():
     model = tiny_model("llama")
     spec = kvstack.StackSpec.load(

@@ -214,7 +214,7 @@ def test_a_fill_tier_takes_the_bytes_the_levels_below_leave(every):
             full_counts.append(held["full"])
             if seen % stage.period == 0:  # just re-assigned: the fill tier is as large as the bytes allow
                 limit = split._limit(seen, 0)
-                limit -= split._slack_bytes(limit)
+                limit -= split._slack_bytes(seen, limit)
                 fill = held["full"]
                 assert split.cost(seen, fill) <= limit < split.cost(seen, fill + 1)
                 positions = sorted(p for p in layer.full.positions[0, 0].tolist() if p >= 0)
@@ -300,6 +300,29 @@ def test_layer_weights_move_the_budget_between_layers_and_keep_the_total(coding)
             for layer in cache.layers:
                 assert layer.memory_bytes() <= layer.limit_bytes()
             assert cache.layers[1].limit_bytes() == pytest.approx(4 * cache.layers[0].limit_bytes(), abs=2)
+
+
+def test_spill_unused_keeps_the_weighted_layer_whole_and_gives_the_rest_to_the_others():
+    """``layer_weights: {1: 8}, spill_unused: true`` under ``ratio: 0.125``: layer 1's share (2.4 of 3 layers' worth)
+    is more than every token at 3 bits costs, so it keeps every token and its limit is what they cost; layers 0 and 2
+    get the rest (more than their unspilled 0.3 each), and the whole cache keeps the budget."""
+    model = tiny_model("llama", head_dim=16, num_hidden_layers=3)
+    spec = kvstack.StackSpec.load(stack(
+        stack_budget={"ratio": 0.125}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
+        scale_dtype="float8_e4m3fn", tiers=FILL_3, layer_weights={1: 8}, spill_unused=True,
+    ))
+    stage, shape = spec.stages[0], kvstack.ModelShape.from_model(model)
+    need = stage.layer_need(1, shape, torch.float32, spec.budget, None)
+    with kvstack.applied(model, spec):
+        for cache in drive(model, None, prefill=300, steps=12):
+            seen = cache.get_seq_length()
+            assert cache.memory_bytes() <= 0.125 * cache.full_bytes()  # the promise, for the whole cache
+            assert sum(layer.limit_bytes() for layer in cache.layers) <= 0.125 * cache.full_bytes()
+            assert sum(counts(cache.layers[1]).values()) == seen  # the weighted layer keeps every token
+            assert cache.layers[1].limit_bytes() == pytest.approx(need(seen), abs=1)
+            mean = cache.full_bytes() / 3
+            assert cache.layers[0].limit_bytes() == cache.layers[2].limit_bytes() > 0.3 * 0.125 * mean
+            assert 2 * cache.layers[0].limit_bytes() + need(seen) == pytest.approx(0.375 * mean, abs=3)
 
 
 def test_layer_weights_compose_with_layer_bits():

@@ -41,6 +41,7 @@ def test_paged_eviction_preset_runs_with_the_engines_block_size():
         (stack(scorer="key_norm"), "stages.0.head_wise=True (the default of scorer 'key_norm') is not allowed in vLLM"),
         (stack(schedule="pyramid"), "stages.0.schedule='pyramid' is not allowed in vLLM: 'uniform'"),
         (stack(layer_weights={0: 2}), r"stages.0.layer_weights=\{0: 2.0\} is not allowed in vLLM: None"),
+        (stack(spill_unused=True), "stages.0.spill_unused=True is not allowed in vLLM: False"),
         (stack(every=4), "stages.0.every=4 is not allowed in vLLM: 1"),
         (stack(budget={"tokens": 16}), "budget.tokens=16 is not allowed: at least one block (block_size = 32)"),
         ({**stack(), "prefill_chunk": 256}, "prefill_chunk=256 is not allowed in vLLM: None"),

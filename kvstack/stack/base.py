@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .cache import StackLayer
     from .memory import MemoryPlan
     from .shape import ModelShape
@@ -111,6 +113,12 @@ class StageSpec(BaseModel):
         """Share of the budget layer ``layer_idx`` of a model of ``shape`` gets, relative to the mean (1.0; a pyramid
         schedule or per-layer bits vary it; the shares of all layers sum to the number of layers)."""
         return 1.0
+
+    def layer_share(self, layer_idx: int, shape: "ModelShape", dtype: torch.dtype, budget: Budget | None,
+                    reference: "ModelShape | None" = None) -> "float | Callable[[int], float]":
+        """The share a layer's promise scales the budget by: ``layer_scale``, or a function of the tokens seen
+        (``LayerWeights.spill_unused``)."""
+        return self.layer_scale(layer_idx, shape)
 
     def validate_with(self, stack_budget: Budget | None) -> None:
         """Checks that need the stack-wide budget but no model (run when the spec is loaded)."""

@@ -21,7 +21,7 @@ than a quarter of the budget would leave too little for exact tokens); tokens ev
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Callable
+from typing import TYPE_CHECKING, Annotated, Callable, Union
 
 import torch
 from pydantic import BaseModel, Field, NonNegativeInt
@@ -63,17 +63,28 @@ def promise(spec: "StackSpec") -> tuple[Budget, StageSpec] | None:
     return budget, owner
 
 
+#: a layer's share of the budget relative to the mean: a number, or a function of the tokens seen (``spill_unused``)
+Share = Union[float, Callable[[int], float]]
+
+
 class LayerWeights(BaseModel):
-    """Spec field of the stages that size what they keep to a budget (``evict``, ``quantized_prune``): how the
+    """Spec fields of the stages that size what they keep to a budget (``evict``, ``quantized_prune``): how the
     stack's bytes are shared between layers: on SmolLM2 a third of the layers read a planted needle, and giving them
     the bytes the others can spare is what lets an eighth of the cache find most needles (docs/budgets.md, "Layer
-    weights"). List this class before ``StageSpec`` in the stage's bases."""
+    weights"). List this class before ``StageSpec`` in the stage's bases; a stage with ``spill_unused`` implements
+    ``layer_need``."""
 
     layer_weights: dict[NonNegativeInt, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         default=None,
         description="{layer index: weight}: a listed layer gets weight x the budget of an unlisted one (weight 1), "
         "the shares scaled so that all layers together hold the stack's budget (e.g. the layers that retrieve: "
         "python -m kvstack.bench.retrieval_layers).",
+    )
+    spill_unused: bool = Field(
+        default=False,
+        description="a layer's share beyond what it can use after the tokens seen so far (every one of them kept, "
+        "the protected ones at full precision) goes to the other layers in proportion to their shares; the shares "
+        "still sum to the stack's budget at every length.",
     )
 
     def weighted_scale(self, layer_idx: int, shape: ModelShape, base: Callable[[int], float]) -> float:
@@ -84,8 +95,78 @@ class LayerWeights(BaseModel):
         raw = [weights.get(i, 1.0) * base(i) for i in range(n)]
         return raw[layer_idx] * n / sum(raw)
 
+    def layer_share(self, layer_idx: int, shape: ModelShape, dtype: torch.dtype, budget: Budget | None,
+                    reference: ModelShape | None = None) -> Share:
+        """The share a ``LayerPromise`` of layer ``layer_idx`` scales the budget by: ``layer_scale``, or with
+        ``spill_unused`` that share capped at the layer's ``layer_need`` after the tokens seen, the rest spilled."""
+        if not self.spill_unused or budget is None:
+            return self.layer_scale(layer_idx, shape)
+        # one water-filling per stage, model and dtype, shared by the layers and the stage's sizing (a private
+        # attribute would make equal specs compare unequal)
+        key = (type(self), self.model_dump_json(), shape, dtype, budget.ratio, budget.tokens, reference or shape)
+        if key not in _SPILLS:
+            if len(_SPILLS) > 64:
+                _SPILLS.clear()
+            n = shape.num_layers
+            _SPILLS[key] = SpilledShares(
+                [self.layer_scale(i, shape) for i in range(n)],
+                [self.layer_need(i, shape, dtype, budget, reference) for i in range(n)],
+                budget, reference_bytes_per_token(reference or shape, dtype),
+            )
+        return _SPILLS[key].of(layer_idx)
+
+    def layer_need(self, layer_idx: int, shape: ModelShape, dtype: torch.dtype, budget: Budget,
+                   reference: ModelShape | None) -> Callable[[int], int]:
+        """Bytes per batch row layer ``layer_idx`` can use after ``seen`` tokens: every one kept (the stage's own)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support spill_unused")
+
     def check_layer_weights(self, shape: ModelShape) -> None:
         check_layer_indices("layer_weights", self.layer_weights, shape)
+
+
+_SPILLS: dict[tuple, "SpilledShares"] = {}
+
+
+class SpilledShares:
+    """Water-filling: after ``seen`` tokens each layer gets its share ``scales[i]`` of the mean budget, except that
+    no layer gets more than it can use (``needs[i](seen)`` bytes); what is left over goes to the layers below their
+    need, in proportion to their shares, until none is left or every layer has what it can use. The shares never sum
+    to more than ``sum(scales)`` (the number of layers), so the whole cache keeps the budget at every length."""
+
+    def __init__(self, scales: list[float], needs: list[Callable[[int], int]], budget: Budget, reference: int):
+        self.scales, self.needs, self.budget, self.reference = scales, needs, budget, reference
+        self._memo: dict[int, list[float]] = {}
+
+    def of(self, layer_idx: int) -> Callable[[int], float]:
+        return lambda seen: self.at(seen)[layer_idx]
+
+    def at(self, seen: int) -> list[float]:
+        if seen not in self._memo:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[seen] = self._fill(seen)
+        return self._memo[seen]
+
+    def _fill(self, seen: int) -> list[float]:
+        mean = self.budget.limit_bytes(seen, self.reference)
+        if mean <= 0:
+            return list(self.scales)
+        caps = [need(seen) / mean for need in self.needs]
+        shares = [0.0] * len(self.scales)
+        open_ = set(range(len(self.scales)))
+        left = float(sum(self.scales))
+        while open_:
+            weight = sum(self.scales[i] for i in open_)
+            full = {i for i in open_ if left * self.scales[i] / weight >= caps[i]}
+            if not full:
+                for i in open_:
+                    shares[i] = left * self.scales[i] / weight
+                break
+            for i in full:
+                shares[i] = caps[i]
+                left -= caps[i]
+            open_ -= full
+        return shares
 
 
 def check_layer_indices(field: str, per_layer: dict[int, object] | None, shape: ModelShape) -> None:
@@ -96,15 +177,19 @@ def check_layer_indices(field: str, per_layer: dict[int, object] | None, shape: 
 
 
 class LayerPromise:
-    """The limit of one layer: ``scale * budget`` (the owner's schedule share) in bytes per batch row."""
+    """The limit of one layer: ``scale * budget`` (the owner's share of the layer, ``layer_share``) in bytes per batch
+    row."""
 
     __slots__ = ("budget", "scale", "reference")
 
-    def __init__(self, budget: Budget, scale: float, reference: int) -> None:
+    def __init__(self, budget: Budget, scale: Share, reference: int) -> None:
         self.budget, self.scale, self.reference = budget, scale, reference
 
+    def share(self, seen: int) -> float:
+        return self.scale(seen) if callable(self.scale) else self.scale
+
     def limit(self, seen: int) -> int:
-        return int(self.scale * self.budget.limit_bytes(seen, self.reference) + 1e-9)
+        return int(self.share(seen) * self.budget.limit_bytes(seen, self.reference) + 1e-9)
 
 
 def check_budget(spec: "StackSpec", shape: ModelShape, dtype: torch.dtype, reference: ModelShape | None = None) -> None:

@@ -54,8 +54,8 @@ class StackLayer(CacheLayerMixin):
         budget: tuple | None = None,
         reference: ModelShape | None = None,
     ):
-        """``budget``: (the stack's promise, its keeper stage, this layer's share) or None; ``reference``: the model
-        shape memory is promised against (before GQA conversion; default ``shape``)."""
+        """``budget``: (the stack's promise, its keeper stage, whose ``layer_share`` sizes this layer) or None;
+        ``reference``: the model shape memory is promised against (before GQA conversion; default ``shape``)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
@@ -79,8 +79,10 @@ class StackLayer(CacheLayerMixin):
         self.device = key_states.device
         self.full.initialize(key_states, value_states)
         if self.budget is not None:
-            budget, _, scale = self.budget
-            self.promise = LayerPromise(budget, scale, reference_bytes_per_token(self.reference, key_states.dtype))
+            budget, keeper = self.budget
+            dtype = key_states.dtype
+            share = keeper.spec.layer_share(self.layer_idx, self.shape, dtype, budget, self.reference)
+            self.promise = LayerPromise(budget, share, reference_bytes_per_token(self.reference, dtype))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -350,7 +352,7 @@ class KVStackCache(Cache):
         for i in range(shape.num_layers):
             budget = None
             if keeper is not None:
-                budget = (held[0], keeper, held[1].layer_scale(i, shape))
+                budget = (held[0], keeper)
             layers.append(StackLayer(i, shape, stages, budget, self.reference_shape))
         super().__init__(layers=layers)
 

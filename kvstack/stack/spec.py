@@ -206,7 +206,8 @@ class StackSpec(BaseModel):
             return plan.bytes
         (budget, keeper), n = held, plan.shape.num_layers
         ref = reference_bytes_per_token(plan.shape, plan.dtype)
-        limit = sum(LayerPromise(budget, keeper.layer_scale(i, plan.shape), ref).limit(seq_len) for i in range(n))
+        limit = sum(LayerPromise(budget, keeper.layer_share(i, plan.shape, plan.dtype, budget), ref).limit(seq_len)
+                    for i in range(n))
         return min(plan.bytes, batch * limit)
 
 

@@ -22,7 +22,8 @@ The policy (which tokens matter) is a scorer from ``kvstack/stages/scorers/`` (`
   first forward) or ``decode`` (the others); ``every: N`` lets the layer grow N - 1 tokens past the budget before it
   compresses back to it (one eviction per N decode steps; the slack is inside the budget: the cap is N - 1 tokens
   lower); ``layer_weights`` moves bytes between layers on top of the schedule (``{layer: w}``: w x an unlisted
-  layer's share; the total stays the budget); ``chunk_size`` runs long prompts in pieces with a compression after
+  layer's share; the total stays the budget; with ``spill_unused`` a share beyond keeping every token seen goes to
+  the other layers); ``chunk_size`` runs long prompts in pieces with a compression after
   each, so the peak holds at most budget + chunk_size tokens (+ N - 1).
 
 Selection goes through ``StackLayer.retain``: padding is never kept nor counted, and evicted tokens are folded into
@@ -32,7 +33,7 @@ the layer's state tier when the stack has one.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field
@@ -127,6 +128,11 @@ class EvictSpec(ScorerOptions, LayerWeights, StageSpec):
 
         return self.weighted_scale(layer_idx, shape, scheduled)
 
+    def layer_need(self, layer_idx, shape, dtype, budget, reference) -> Callable[[int], int]:
+        """``spill_unused``: every token seen kept, with the slack the ``every`` period adds."""
+        own = self.token_cost(shape, dtype)
+        return lambda seen: (seen + self.every - 1) * own
+
     def layer_caps(self, shape, dtype, stack_budget, reference=None) -> list["LayerCap"]:
         """Per layer, the tokens per (row, KV head) it may keep after ``seen`` tokens with ``reserved`` bytes per row
         held besides its tokens: everything but those two is worked out here, once per cache and dtype.
@@ -136,7 +142,8 @@ class EvictSpec(ScorerOptions, LayerWeights, StageSpec):
         own = self.token_cost(shape, dtype)
         block = self.block_size if self.granularity == "block" else None
         return [
-            LayerCap(LayerPromise(budget, self.layer_scale(i, shape), ref), own, block, self.every - 1)
+            LayerCap(LayerPromise(budget, self.layer_share(i, shape, dtype, budget, reference), ref), own, block,
+                     self.every - 1)
             for i in range(shape.num_layers)
         ]
 

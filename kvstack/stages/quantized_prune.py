@@ -31,7 +31,9 @@ budget's). ``key_bits`` on a quantized tier stores its keys at other bits than i
 above): on SmolLM2 the keys' 3-bit error, not the values', carries most of the KL, and it sits in a few layers.
 ``layer_weights: {layer index: weight}`` moves budget between layers on top of that (a listed layer gets weight x an
 unlisted one's share; the total stays the budget's): on SmolLM2 a third of the layers retrieve the needle, and with
-the whole context at 4 bits in them an eighth of the cache finds most needles (docs/budgets.md).
+the whole context at 4 bits in them an eighth of the cache finds most needles (docs/budgets.md). With
+``spill_unused: true`` no layer's share exceeds what it can use after the tokens seen (``layer_need``: every one kept,
+the protected ones at 16 bits), and the rest goes to the other layers (``budget.SpilledShares``).
 
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
 quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
@@ -55,7 +57,7 @@ band goes to the best-ranked token that still holds that precision.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -63,7 +65,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.kernels.transform_code import MAX_BITS
 from kvstack.stack.base import Budget, Stage, StageSpec, spec_error
-from kvstack.stack.budget import LayerPromise, LayerWeights, check_layer_indices, reference_bytes_per_token
+from kvstack.stack.budget import (
+    LayerPromise, LayerWeights, Share, check_layer_indices, reference_bytes_per_token,
+)
 from kvstack.stack.memory import TierPlan, _itemsize, full_tier_bytes
 from kvstack.stack.registry import register_stage
 
@@ -396,11 +400,14 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
             for level in self.levels(layer_idx)
         ]
 
-    def level_split(self, shape, dtype, stack_budget, reference=None, layer_idx: int | None = None) -> "LevelSplit":
+    def level_split(self, shape, dtype, stack_budget, reference=None, layer_idx: int | None = None,
+                    share: Share | None = None) -> "LevelSplit":
         """How the kept tokens of layer ``layer_idx`` split into levels, as a function of the tokens seen and held
         (worked out once per cache, dtype and layer bits; ``reference``: the shape the budget is against, default
-        ``shape``)."""
+        ``shape``; ``share``: the layer's share of the budget, default ``layer_share``)."""
         budget = self.effective_budget(stack_budget)
+        if share is None:
+            share = 1.0 if layer_idx is None else self.layer_share(layer_idx, shape, dtype, budget, reference)
         fill = bool(self.tiers) and self.tiers[0].fill
         levels = self.levels(layer_idx)
         cumulative, acc = [], 0.0
@@ -427,9 +434,13 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
             # batches > 1, never under-counts
             fixed=self.fixed_bytes(shape, dtype, layer_idx), fill=fill,
             group=1 if self.transform_coded else self.group_size,
-            scale=1.0 if layer_idx is None else self.layer_scale(layer_idx, shape),
-            protected=self.n_sink + self.protected_recent(shape),
+            scale=share, protected=self.n_sink + self.protected_recent(shape),
         )
+
+    def layer_need(self, layer_idx, shape, dtype, budget, reference) -> Callable[[int], int]:
+        """``spill_unused``: every token seen kept in the levels (the protected ones at 16 bits), the codec's tensors
+        and the arrivals before the next assignment."""
+        return self.level_split(shape, dtype, budget, reference, layer_idx, share=1.0).need
 
     def protected_recent(self, shape) -> int:
         """Newest positions always in the top tier: ``recent``, or the scorer's own window when it is larger."""
@@ -531,12 +542,17 @@ class LevelSplit:
     def _limit(self, seen: int, reserved: int) -> int:
         return self.promise.limit(seen) - reserved - self.fixed
 
-    def _slack_bytes(self, limit: int) -> int:
+    def _slack_bytes(self, seen: int, limit: int) -> int:
         """Room for the tokens that arrive in full precision before the next assignment (net of the budget's growth
         meanwhile; at most a quarter of the limit: beyond that the stage re-assigns early, when the layer is over
         its limit)."""
-        growth = 0 if self.budget.ratio is None else self.promise.scale * self.budget.ratio * self.reference
+        growth = 0 if self.budget.ratio is None else self.promise.share(seen) * self.budget.ratio * self.reference
         return min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
+
+    def need(self, seen: int) -> int:
+        """Bytes per row that keep all ``seen`` tokens (the protected ones at the fill tier's precision), the fixed
+        bytes and the arrivals before the next assignment: what this layer can use (``spill_unused``)."""
+        return self.fixed + self.cost(seen, min(self.protected, seen)) + self.slack * self.full
 
     def fill_count(self, seen: int, reserved: int, n: int) -> int:
         """Tokens of the fill tier among ``n`` kept ones (0 without a fill tier): the most whose bytes, with the other
@@ -546,7 +562,7 @@ class LevelSplit:
         key = ("fill", seen, reserved, n)
         if key not in self._cache:
             whole = self._limit(seen, reserved)
-            limit = whole - self._slack_bytes(whole)
+            limit = whole - self._slack_bytes(seen, whole)
             # each pass gives the fill tier what the levels below leave; they cost no more with fewer tokens, so
             # every x found stays within the limit as it grows. The levels below shrink a key group at a time, so
             # past a fixed point one more group's worth of candidates is tried before stopping. The protected
@@ -586,7 +602,7 @@ class LevelSplit:
                 self._cache[key] = 0
                 return 0
             if not self.fill:  # a fill tier gives its room to the tokens that arrive meanwhile
-                limit -= self._slack_bytes(limit)
+                limit -= self._slack_bytes(seen, limit)
             protected = self.protected
             top = None if self.budget.tokens is None else self.budget.tokens + 1
 

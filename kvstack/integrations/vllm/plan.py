@@ -183,7 +183,8 @@ class BlockEvictionPlan:
             default = f" (the default of scorer {stage.scorer!r})" if stage.head_wise is None else ""
             raise SpecError(f"{where}.head_wise=True{default} is not allowed in vLLM: false (a block holds every KV "
                             "head)")
-        fixed = {"schedule": "uniform", "layer_weights": None, "phase": "always", "every": 1, "chunk_size": None}
+        fixed = {"schedule": "uniform", "layer_weights": None, "spill_unused": False, "phase": "always", "every": 1,
+                 "chunk_size": None}
         for name, allowed in fixed.items():
             if getattr(stage, name) != allowed:
                 raise SpecError(
