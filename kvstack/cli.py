@@ -378,6 +378,9 @@ def bench(
                                           "2048)."),
     decode_prefill: int = typer.Option(16, min=1, help="decode protocol: tokens prefilled in one forward."),
     tasks: int = typer.Option(10, min=1, help="needle: tasks per context length (the first N of each)."),
+    task_ids: Optional[str] = typer.Option(None, help="needle: comma-separated task positions per context length "
+                                           "(0-based, file order) to run instead of the first --tasks, e.g. 4,5,26 "
+                                           "to rerun the tasks a stack missed."),
     lengths: str = typer.Option("1024,2048,4096", help="needle: comma-separated context lengths (context_tokens)."),
     include_8k: bool = typer.Option(False, "--include-8k", help="needle: also run the 8000-token tasks (slow)."),
     max_new_tokens: int = typer.Option(16, min=1, help="needle: greedy reply length limit (SmolLM2's sentence "
@@ -435,16 +438,26 @@ def bench(
         if data is None:
             _fail(f"--data is required with --protocol {chosen.value}: a JSONL file of {{\"text\": ...}} passages")
         _check_jsonl(data)
+    task_indices = None
+    if task_ids is not None:
+        try:
+            task_indices = [int(i) for i in task_ids.split(",") if i.strip()]
+        except ValueError:
+            task_indices = []
+        if not task_indices or min(task_indices) < 0:
+            _fail(f"--task-ids {task_ids!r} is not allowed: comma-separated task positions >= 0, e.g. 4,5,26")
     if out.exists() and not out.is_dir():
         _fail(f"--out {str(out)!r} is a file: give a directory (it is created when missing)")
     _check_model_source(model)
     _run_bench(chosen, model, data, names, out, ratio_values, passages=passages, prefix=prefix, max_len=max_len,
-               decode_prefill=decode_prefill, tasks=tasks, lengths=lengths, include_8k=include_8k,
-               max_new_tokens=max_new_tokens, dtype=dtype, device=where, threads=threads, progress=progress)
+               decode_prefill=decode_prefill, tasks=tasks, task_indices=task_indices, lengths=lengths,
+               include_8k=include_8k, max_new_tokens=max_new_tokens, dtype=dtype, device=where, threads=threads,
+               progress=progress)
 
 
 def _run_bench(chosen: BenchProtocol, model: str, data: Path, names: list[str], out: Path, ratios: tuple, *,
-               passages, prefix, max_len, decode_prefill, tasks, lengths, include_8k, max_new_tokens, dtype, device,
+               passages, prefix, max_len, decode_prefill, tasks, task_indices, lengths, include_8k, max_new_tokens,
+               dtype, device,
                threads, progress) -> None:
     """The protocol's run and its printout (options already checked; ``device`` resolved)."""
     import torch
@@ -467,7 +480,8 @@ def _run_bench(chosen: BenchProtocol, model: str, data: Path, names: list[str], 
             except ValueError:
                 _fail(f"--lengths {lengths!r} is not allowed: comma-separated context lengths, e.g. 1024,2048")
             result = real_model.needle(
-                model, data, names, out, tasks_per_length=tasks, lengths=length_values, include_8k=include_8k,
+                model, data, names, out, tasks_per_length=tasks, lengths=length_values, task_indices=task_indices,
+                include_8k=include_8k,
                 ratios=ratios, max_new_tokens=max_new_tokens, dtype=dtype_name, device=device, threads=threads,
                 progress=progress,
             )

@@ -173,6 +173,17 @@ def test_needle_end_to_end_and_json(smollm2_source, smollm2_data, tmp_path):
         real_model.needle(smollm2_source, smollm2_data[1], ["identity"], out, lengths=(8000,))
 
 
+def test_needle_task_indices_pick_those_tasks_of_each_length(tmp_path):
+    """``task_indices`` (CLI ``--task-ids``) runs the tasks at those positions of each length, in file order."""
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"context_tokens": n, "answer": f"{n}-{i}"}) + "\n"
+                            for i in range(3) for n in (1024, 2048)))
+    picked = real_model.load_needle_tasks(data, None, (1024, 2048), indices=[2, 0])
+    assert [t["answer"] for t in picked] == ["1024-2", "1024-0", "2048-2", "2048-0"]
+    with pytest.raises(ValueError, match=r"task index 3 is not allowed at context_tokens=1024: 0..2"):
+        real_model.load_needle_tasks(data, None, (1024,), indices=[3])
+
+
 def test_needle_prompt_splits_at_the_end_of_the_context(smollm2, smollm2_data):
     _, tokenizer = smollm2
     task = real_model.load_needle_tasks(smollm2_data[1], per_length=1, lengths=(1024,))[0]
@@ -207,6 +218,10 @@ def test_cli_bench_rejects_bad_real_model_options(tmp_path):
     data.write_text(json.dumps({"context": "x", "question": "y"}) + "\n")
     result = CliRunner().invoke(app, base + ["--protocol", "needle", "--data", str(data)])
     assert result.exit_code == 2 and "lacks context_tokens, answer" in result.output
+    for bad in ("4,x", "-1", ","):
+        result = CliRunner().invoke(app, base + ["--protocol", "needle", "--task-ids", bad])
+        assert result.exit_code == 2 and f"--task-ids {bad!r} is not allowed: comma-separated task positions >= 0" \
+            in " ".join(result.output.split()), result.output
     data.write_text(json.dumps({"text": "x"}) + "\n")
     result = CliRunner().invoke(app, base + ["--protocol", "code-kl", "--data", str(data)])
     assert result.exit_code == 2 and "neither a config.json" in result.output  # the model is checked last

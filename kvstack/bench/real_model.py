@@ -96,14 +96,22 @@ def load_code_passages(path: str | Path | None = None, n: int | None = CODE_PASS
 
 
 def load_needle_tasks(
-    path: str | Path | None = None, per_length: int | None = NEEDLE_TASKS, lengths=NEEDLE_LENGTHS
+    path: str | Path | None = None, per_length: int | None = NEEDLE_TASKS, lengths=NEEDLE_LENGTHS,
+    indices: list[int] | None = None,
 ) -> list[dict]:
-    """The first ``per_length`` tasks (file order) at each of ``lengths`` (``context_tokens``), grouped by length."""
+    """The first ``per_length`` tasks (file order) at each of ``lengths`` (``context_tokens``), grouped by length; with
+    ``indices``, the tasks at those positions of each length instead (0-based, file order)."""
     tasks = _read_jsonl(path if path is not None else needle_data_path())
     out = []
     for length in lengths:
         at = [t for t in tasks if t.get("context_tokens") == length]
-        out.extend(at[:per_length] if per_length else at)
+        if indices is not None:
+            if max(indices, default=-1) >= len(at):
+                raise ValueError(f"task index {max(indices)} is not allowed at context_tokens={length}: 0.."
+                                 f"{len(at) - 1} (the file holds {len(at)} tasks of that length)")
+            out.extend(at[i] for i in indices)
+        else:
+            out.extend(at[:per_length] if per_length else at)
     return out
 
 
@@ -630,6 +638,7 @@ def needle(
     *,
     tasks_per_length: int = NEEDLE_TASKS,
     lengths=NEEDLE_LENGTHS,
+    task_indices: list[int] | None = None,
     include_8k: bool = False,
     ratios=DEFAULT_RATIOS,
     max_new_tokens: int = NEEDLE_NEW_TOKENS,
@@ -640,7 +649,8 @@ def needle(
 ) -> RealModelResult:
     """Load the model (a local path or a Hub id, on ``device``) and tasks, :func:`run_needle`, and write
     ``needle.json`` and ``needle_accuracy_vs_memory.png`` into ``out``. 8000-token tasks run only with
-    ``include_8k``."""
+    ``include_8k``; ``task_indices`` runs those tasks of each length (0-based, file order) instead of the first
+    ``tasks_per_length``, e.g. to rerun the ones a stack missed."""
     presets = list(presets)
     model_source = model_source if model_source is not None else model_path()
     data = Path(data) if data is not None else needle_data_path()
@@ -650,10 +660,10 @@ def needle(
         raise ValueError(f"context length {LONG_NEEDLE_LENGTH} runs only with include_8k (CLI: --include-8k)")
     if include_8k and LONG_NEEDLE_LENGTH not in lengths:
         lengths.append(LONG_NEEDLE_LENGTH)
-    tasks = load_needle_tasks(data, tasks_per_length, lengths)
+    tasks = load_needle_tasks(data, tasks_per_length, lengths, task_indices)
     for n in lengths:
         found = sum(t["context_tokens"] == n for t in tasks)
-        if found < tasks_per_length:
+        if task_indices is None and found < tasks_per_length:
             raise ValueError(f"{data} holds {found} tasks at context_tokens={n}; {tasks_per_length} were asked for")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is not allowed: at least 1")
@@ -662,6 +672,8 @@ def needle(
         result = run_needle(model, tokenizer, tasks, presets, ratios=ratios, max_new_tokens=max_new_tokens,
                             progress=progress)
     result.metadata = models.describe_source(model_source) | {"data": str(data)} | result.metadata
+    if task_indices is not None:
+        result.metadata["task_indices"] = list(task_indices)
     result.files["json"] = str(_write(result, out, NEEDLE_FILE))
     try:
         path = plot_accuracy_vs_memory([r.as_dict() for r in result.rows], Path(out) / NEEDLE_PLOT,
