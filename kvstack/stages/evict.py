@@ -129,7 +129,8 @@ class EvictSpec(ScorerOptions, LayerWeights, StageSpec):
         return self.weighted_scale(layer_idx, shape, scheduled)
 
     def layer_need(self, layer_idx, shape, dtype, budget, reference) -> Callable[[int], int]:
-        """``spill_unused``: every token seen kept, with the slack the ``every`` period adds."""
+        """``spill_unused``: every token seen kept, with the slack the ``every`` period adds (a low-rank state is not
+        counted; a layer holding one keeps that much less)."""
         own = self.token_cost(shape, dtype)
         return lambda seen: (seen + self.every - 1) * own
 

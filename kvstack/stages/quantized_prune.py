@@ -551,7 +551,9 @@ class LevelSplit:
 
     def need(self, seen: int) -> int:
         """Bytes per row that keep all ``seen`` tokens (the protected ones at the fill tier's precision), the fixed
-        bytes and the arrivals before the next assignment: what this layer can use (``spill_unused``)."""
+        bytes and the arrivals before the next assignment (at full precision: an upper bound, a few tokens' worth
+        over what the fill tier leaves them): what this layer can use (``spill_unused``). A low-rank state is not
+        counted; a layer holding one keeps that much less."""
         return self.fixed + self.cost(seen, min(self.protected, seen)) + self.slack * self.full
 
     def fill_count(self, seen: int, reserved: int, n: int) -> int:
