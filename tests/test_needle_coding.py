@@ -18,12 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_codings_read_key_bits_basis_and_value_bits_and_refuse_the_rest():
-    assert parse_coding("4c/3") == (4.0, "calibrated", 3.0, "own")
-    assert parse_coding("1.5w/16") == (1.5, "weights", 16.0, "own")
-    assert parse_coding("16/2") == (16.0, "own", 2.0, "own")
-    assert parse_coding("3c/1.5c") == (3.0, "calibrated", 1.5, "calibrated")
+    assert parse_coding("4c/3") == (4.0, "calibrated", 3.0, "own", 0)
+    assert parse_coding("1.5w/16") == (1.5, "weights", 16.0, "own", 0)
+    assert parse_coding("16/2") == (16.0, "own", 2.0, "own", 0)
+    assert parse_coding("3c/1.5c") == (3.0, "calibrated", 1.5, "calibrated", 0)
+    assert parse_coding("4c+16/3") == (4.0, "calibrated", 3.0, "own", 16)
     for bad, why in (("4x/3", "KEY_BITS"), ("4/", "KEY_BITS"), ("9/3", "key bits 9"), ("4/0", "value bits 0"),
-                     ("4/2w", "VALUE_BITS")):
+                     ("4/2w", "VALUE_BITS"), ("4+16/3", r"\+AXES"), ("4c+/3", "KEY_BITS")):
         with pytest.raises(ValueError, match=why):
             parse_coding(bad)
     with pytest.raises(SystemExit):
@@ -41,6 +42,11 @@ def test_only_the_middle_rows_are_coded_and_more_bits_code_them_closer():
     assert errors[0] > errors[1] > errors[2] and errors[2] < 0.02
     identity = code_rows(x, 2, torch.eye(16))  # a basis given is the one coded in
     assert not torch.allclose(identity, code_rows(x, 2))
+    # the prompt's own axes leading a basis: all of them code exactly as the own axes do, more than none closer
+    mixed = x @ torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(1)))[0]
+    error = lambda y: float((y - mixed)[middle].pow(2).sum())  # noqa: E731
+    assert torch.allclose(code_rows(mixed, 2, torch.eye(16), 16), code_rows(mixed, 2), atol=1e-4)
+    assert error(code_rows(mixed, 2, torch.eye(16), 8)) < 0.75 * error(code_rows(mixed, 2, torch.eye(16)))
 
 
 def test_a_cache_is_coded_in_place_through_rope_and_16_bits_leave_it_exact():

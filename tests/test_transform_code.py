@@ -1,6 +1,6 @@
 """Numerics of transform coding (``kvstack/kernels/transform_code.py``): the Gaussian Lloyd-Max levels, the bit
 allocation, code packing, encode/decode against a brute-force float64 reference, the fitted levels and the weight
-basis. The tier in the stack: tests/test_transform_tier.py."""
+basis, the prompt-axes reflectors. The tier in the stack: tests/test_transform_tier.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvstack.kernels.transform_code import (
     BLOCK, ComponentCode, _pack, _unpack, allocate_widths, fit_token_scale, gaussian_lloyd, lloyd_levels,
-    scale_tokens, transform_reference, uniform_levels, weight_basis,
+    own_axes_reflectors, reflector_product, scale_tokens, transform_reference, uniform_levels, weight_basis,
 )
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -221,3 +221,32 @@ def test_a_scale_fitted_on_one_token_codes_it_and_the_next_ones(dtype):
     z, s = scale_tokens(later, mean, rms, dtype)
     assert bool(torch.isfinite(z).all())
     assert torch.allclose(mean + (s.float() * rms)[:, None] * z, later, rtol=1e-5, atol=1e-5)
+
+
+@FAST
+@given(c=st.sampled_from([8, 16, 32]), frac=st.floats(0, 1), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_reflectors_in_any_precision_give_an_orthogonal_basis_led_by_the_samples_principal_axes(c, frac, seed, dtype):
+    """``U Q`` is orthonormal whatever precision the reflectors are stored in (tau is recomputed from them), and its
+    first r columns are the samples' r leading principal axes up to sign, as close as that precision allows; the
+    reflectors have a unit diagonal and zeros above it (what ``prompt_axes`` holds: r x C numbers)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = round(frac * c)
+    basis = torch.linalg.qr(torch.randn(c, c, generator=gen, dtype=torch.float64))[0].float()
+    spread = torch.logspace(1, -1, c, dtype=torch.float64)  # distinct variances: the axes are well defined
+    mix = torch.linalg.qr(torch.randn(c, c, generator=gen, dtype=torch.float64))[0]
+    x = ((torch.randn(4 * c, c, generator=gen, dtype=torch.float64) * spread) @ mix.T).float()
+    reflectors = own_axes_reflectors(x @ basis, r)
+    assert reflectors.shape == (c, r)
+    assert torch.equal(torch.triu(reflectors, 1), torch.zeros_like(reflectors))
+    assert torch.equal(reflectors.diagonal(), torch.ones(r))
+    led = (basis @ reflector_product(reflectors.to(dtype))).double()
+    assert torch.allclose(led.T @ led, torch.eye(c, dtype=torch.float64), atol=1e-5)
+    centred = x.double() - x.double().mean(0)
+    axes = torch.linalg.eigh(centred.T @ centred)[1].flip(-1)[:, :r]
+    tolerance = 1e-4 if dtype == torch.float32 else 0.02
+    assert bool(((led[:, :r] * axes).sum(0).abs() > 1 - tolerance).all())
+
+
+def test_no_reflectors_leave_the_basis_as_it_is():
+    assert torch.equal(reflector_product(torch.zeros(16, 0)), torch.eye(16))

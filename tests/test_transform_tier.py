@@ -67,13 +67,14 @@ def test_kv_width_not_a_multiple_of_eight_is_refused_against_the_model():
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_scale="none", value_coding="kivi"):
+def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_scale="none", value_coding="kivi",
+                   prompt_axes=0):
     """Independent count: residual tokens in full precision; each other token ``bits`` per element of every head's
     keys (with ``key_scale: token`` and its scale), its values' codes with a scale and zero point per ``g`` channels
     (``value_coding: transform``: ``bits`` per element, nothing else), and an int32 position; per layer, once a token
     is coded, the key coder (order int16, offsets int32, centre float32 per component; 1.5 x C x 2^bits levels; with
-    ``key_scale: token`` a float32 mean per component and one mean RMS) and with transform-coded values their coder
-    alike."""
+    ``key_scale: token`` a float32 mean per component and one mean RMS), with transform-coded values their coder
+    alike, and ``prompt_axes`` reflectors of C numbers each in the model dtype."""
     cfg = model.config
     h, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     x = prefill - g * (max(prefill - residual, 0) // g) + (seen - prefill)
@@ -83,7 +84,8 @@ def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_s
     scaled = key_scale == "token"
     one_coder = h * d * 10 + -(-3 * h * d * 2**bits // 2) * level_item
     coded_values = value_coding == "transform"
-    coder = one_coder * (1 + coded_values) + scaled * (h * d + 1) * 4 if q else 0
+    axes = prompt_axes * h * d * item
+    coder = one_coder * (1 + coded_values) + scaled * (h * d + 1) * 4 + axes if q else 0
     values = h * d * bits // 8 if coded_values else h * (d * bits // 8 + 2 * item * (d // g))
     per_token = h * d * bits // 8 + scaled * item + values + 4
     return layers * (batch * (r * (h * 2 * d * item + 4) + q * per_token) + coder)
@@ -92,11 +94,13 @@ def expected_bytes(model, seen, prefill, batch, bits, g, residual, item=4, key_s
 @FAST
 @given(bits=st.sampled_from([2, 3, 4, 8]), g=st.sampled_from([8, 16]), groups_residual=st.integers(0, 2),
        prefill=st.integers(1, 40), steps=st.integers(0, 10), batch=st.integers(1, 2),
-       key_scale=st.sampled_from(["none", "token"]), value_coding=st.sampled_from(["kivi", "transform"]))
+       key_scale=st.sampled_from(["none", "token"]), value_coding=st.sampled_from(["kivi", "transform"]),
+       prompt_axes=st.sampled_from([0, 4]))
 def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefill, steps, batch, key_scale,
-                                                 value_coding):
+                                                 value_coding, prompt_axes):
     model = tiny_model("llama")
-    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual, key_scale=key_scale, value_coding=value_coding))
+    spec = kvstack.StackSpec.load(stage(bits, g, g * groups_residual, key_scale=key_scale, value_coding=value_coding,
+                                        prompt_axes=prompt_axes))
     ids = torch.randint(3, 128, (batch, prefill + steps), generator=torch.Generator().manual_seed(prefill))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
@@ -104,7 +108,7 @@ def test_memory_bytes_equal_the_analytic_formula(bits, g, groups_residual, prefi
         for t in range(prefill, prefill + steps + 1):
             seen = cache.get_seq_length()
             expected = expected_bytes(model, seen, prefill, batch, bits, g, g * groups_residual, key_scale=key_scale,
-                                      value_coding=value_coding)
+                                      value_coding=value_coding, prompt_axes=prompt_axes)
             assert cache.memory_bytes() == expected == spec.memory_bound(model.config, seen, batch, prefill_len=prefill)
             if t < prefill + steps:
                 model(ids[:, t : t + 1], cache=cache)
@@ -121,15 +125,17 @@ def test_levels_are_float16_in_16_bit_models_and_the_coders_bytes_are_fixed():
 
 
 # ------------------------------------------------------------------------------------------------ attention
-@pytest.mark.parametrize(("bits", "key_scale", "value_coding"),
-                         [(2, "none", "kivi"), (4, "none", "kivi"), (3, "token", "kivi"), (2, "none", "transform")])
-def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits, key_scale, value_coding):
+@pytest.mark.parametrize(("bits", "key_scale", "value_coding", "prompt_axes"),
+                         [(2, "none", "kivi", 0), (4, "none", "kivi", 0), (3, "token", "kivi", 0),
+                          (2, "none", "transform", 0), (3, "token", "kivi", 6)])
+def test_the_next_token_reads_the_decoded_tokens_exactly_as_plain_attention_would(bits, key_scale, value_coding,
+                                                                                  prompt_axes):
     """After a prompt, every layer's tier is decoded into a DynamicCache; the model's next-token logits through that
     cache and plain attention equal the stack's own (residual 0: every token is coded)."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(bits))
     spec = kvstack.StackSpec.load(stage(bits=bits, group_size=8, residual=0, key_scale=key_scale,
-                                        value_coding=value_coding))
+                                        value_coding=value_coding, prompt_axes=prompt_axes))
     with kvstack.applied(model, spec), torch.no_grad():
         cache = kvstack.cache_for(model)
         model(ids[:, :32], cache=cache)
@@ -169,6 +175,75 @@ def test_decoded_keys_are_close_to_what_the_tier_received():
     keys, values = tier.gather(torch.arange(64).expand(1, 1, -1))
     k, v = exact.layers[0].keys, exact.layers[0].values
     assert float((keys - k).norm() / k.norm()) < 0.15 and float((values - v).norm() / v.norm()) < 0.15
+
+
+# ------------------------------------------------------------------------------------------------ prompt_axes
+def _k_proj_outputs(model, ids, layer=0) -> torch.Tensor:
+    """Independent reference: the layer's pre-RoPE keys of all heads [n, C] float64 (Llama's k_proj outputs)."""
+    grabbed = []
+    hook = model.model.layers[layer].self_attn.k_proj.register_forward_hook(lambda m, i, o: grabbed.append(o[0]))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    hook.remove()
+    return grabbed[0].double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_axes_lead_the_basis_with_the_prompts_own_principal_axes_and_cost_their_reflectors(dtype):
+    """After a prompt whose tokens are all coded, the basis the tier reads is orthonormal and its first r columns are
+    the r leading principal axes of that prompt's pre-RoPE keys (up to sign); the cache holds r reflectors of C
+    numbers in the model dtype besides what it held without them."""
+    model = tiny_model("llama", head_dim=16, dtype=dtype)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    r = 4
+    plain, _ = run(model, stage(bits=3, residual=0), ids, 40)
+    cache, _ = run(model, stage(bits=3, residual=0, prompt_axes=r), ids, 40)
+    tier = tier_of(cache)
+    assert tier.axes.dtype == dtype and tuple(tier.axes.shape) == (tier.basis.shape[0], r)
+    basis = tier._key_basis("cpu").double()
+    c = basis.shape[0]
+    assert torch.allclose(basis.T @ basis, torch.eye(c, dtype=basis.dtype), atol=1e-5)
+    keys = _k_proj_outputs(model, ids)
+    eig, vectors = torch.linalg.eigh(torch.cov(keys.T))
+    cosines = (basis[:, :r] * vectors.flip(-1)[:, :r]).sum(0).abs()
+    assert bool((cosines > (0.999 if dtype == torch.float32 else 0.99)).all()), cosines
+    item = torch.empty((), dtype=dtype).element_size()
+    assert cache.memory_bytes() - plain.memory_bytes() == model.config.num_hidden_layers * r * c * item
+
+
+def test_prompt_axes_recover_what_a_basis_blind_to_the_prompt_loses(monkeypatch):
+    """Keys with very unequal channel variances coded in a random orthogonal basis (blind to them) lose much more
+    than in the same basis led by the prompt's own axes; all C axes code as well as the keys' principal axes."""
+    model = tiny_model("llama", head_dim=16)
+    rows = model.model.layers[0].self_attn.k_proj.weight.shape[0]
+    gains = torch.logspace(0, 1.5, rows)[torch.randperm(rows, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.k_proj.weight.mul_(gains[:, None])
+    blind = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)))[0]
+    monkeypatch.setattr(_transform_tier, "key_basis", lambda shape, layer_idx, source="weights": blind)
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(2))
+    exact = _k_proj_outputs(model, ids)
+
+    def error(r: int) -> float:
+        tier = tier_of(run(model, stage(bits=2, residual=0, prompt_axes=r), ids, 64)[0])
+        decoded = tier.key_code.reconstruct(tier.key_codes[:, 0], tier._key_basis("cpu"))[0].double()
+        return float((decoded - exact).pow(2).sum() / exact.pow(2).sum())
+
+    none, some, every = error(0), error(8), error(32)
+    assert some < 0.7 * none and every < 0.7 * none, (none, some, every)
+
+
+def test_prompt_axes_are_refused_beyond_the_key_components_and_inactive_without_transform_coding():
+    model = tiny_model("llama")  # C = num_kv_heads x head_dim
+    c = model.config.num_key_value_heads * model.config.head_dim
+    with pytest.raises(SpecError, match=rf"prompt_axes={c + 1} is not allowed: 0 to num_kv_heads x head_dim = {c}"):
+        kvstack.apply(model, stage(bits=3, prompt_axes=c + 1))
+    kivi = kvstack.StackSpec.load({"name": "k", "stages": [{"kind": "quantize", "bits": 2, "prompt_axes": 8}]})
+    assert "prompt_axes" not in kivi.to_yaml()
+    assert "prompt_axes: 8" in kvstack.StackSpec.load(stage(bits=2, prompt_axes=8)).to_yaml()
+    with pytest.raises(SpecError, match="prompt_axes"):
+        kvstack.StackSpec.load(stage(bits=2, prompt_axes=-1))
 
 
 # ------------------------------------------------------------------------------------------------ key_scale
@@ -632,11 +707,17 @@ def test_the_key_basis_bench_reports_every_basis_width_and_key_scale_and_near_ze
 
     model = tiny_model("llama", head_dim=16)
     texts = {"random": [torch.randint(3, 128, (80,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]}
-    rows = measure(model, texts, [1, 8], key_scales=("none", "token"))
-    bases = ("weights", "calibrated", "own")
+    rows = measure(model, texts, [1, 8], key_scales=("none", "token"), prompt_axes=(32,))
+    bases = ("weights", "calibrated", "own", "calibrated+32")
     assert {(r["bits"], r["key_scale"], r["basis"]) for r in rows} == {
         (b, s, n) for b in (1, 8) for s in ("none", "token") for n in bases}
-    assert len(rows) == 2 * 2 * 2 * 3
+    assert len(rows) == 2 * 2 * 2 * 4
+    # all C = 32 of the text's own axes leading the calibrated basis are its own axes: the same error
+    for r in rows:
+        if r["basis"] == "calibrated+32":
+            own = next(o for o in rows if o["basis"] == "own" and
+                       (o["text"], o["bits"], o["key_scale"]) == (r["text"], r["bits"], r["key_scale"]))
+            assert r["attention_error"] == pytest.approx(own["attention_error"], rel=0.05, abs=1e-6)
     for r in rows:
         assert r["attention_error"] < (1e-3 if r["bits"] == 8 else 1.0)
     for name in bases:
@@ -645,3 +726,13 @@ def test_the_key_basis_bench_reports_every_basis_width_and_key_scale_and_near_ze
                   if r["basis"] == name and r["text"] == "random[0]" and r["key_scale"] == key_scale}
             assert at[8] < at[1]
     assert "| random (2) | 1 | none |" in markdown(rows) and "| random (2) | 8 | token |" in markdown(rows)
+    assert "calibrated+32 |" in markdown(rows).splitlines()[0]
+
+
+@pytest.mark.parametrize("bad", ["x", "16,0"])
+def test_the_key_basis_bench_refuses_prompt_axes_it_cannot_build_before_loading_a_model(bad, capsys):
+    from kvstack.bench import key_basis
+
+    with pytest.raises(SystemExit):
+        key_basis.main(["--prompt-axes", bad, "--model", "/nonexistent"])
+    assert f"--prompt-axes {bad!r} is not allowed" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     python -m kvstack.bench.key_basis [--model DIR|GGUF] [--bits 1,2,4] [--length 1024] [--texts 2]
                                       [--calibration sampled|random|FILE.jsonl] [--key-scale none,token]
-                                      [--threads 2] [--out DIR]
+                                      [--prompt-axes 16,32] [--threads 2] [--out DIR]
 
 For every layer of a Llama-family model (separate ``q_proj``, standard RoPE) and each evaluation text (the first
 ``--texts`` code passages and the first ``--texts`` 1K needle contexts of the dev sets, cut to ``--length`` tokens),
@@ -16,7 +16,9 @@ the text's pre-RoPE keys are transform-coded as the ``coding: transform`` tier c
   ``calibration=``, text the model samples itself; ``random``: 4 x 512 random token ids; or the first 8 texts of a
   JSONL file of ``{"text": ...}`` lines (512 tokens each);
 * ``own`` — the principal axes of the evaluated text's own keys: a reference no cache could hold for free (it
-  would store C x C numbers per layer), showing how far a fixed basis is from the best one.
+  would store C x C numbers per layer), showing how far a fixed basis is from the best one;
+* ``calibrated+r`` (``--prompt-axes r``) — the calibrated basis led by the coded tokens' own ``r`` leading axes, as
+  ``prompt_axes: r`` builds it (r reflectors of C numbers, rounded to the model dtype as the tier holds them).
 
 With ``--key-scale none,token`` every width is measured twice: as ``key_scale: none`` codes keys, and as
 ``key_scale: token`` does (each vector centred and divided by its root mean square before the coder is fitted and
@@ -60,11 +62,13 @@ def _attention_error(q, k, k_hat, v, groups: int) -> tuple[float, float]:
 
 @torch.no_grad()
 def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], calibration=None,
-            key_scales=("none",)) -> list[dict]:
+            key_scales=("none",), prompt_axes=()) -> list[dict]:
     """Rows per (text, bits, key scale, basis) (module docstring); ``calibration``: token ids for the calibrated
-    basis (None: sampled by the model, as the stage does)."""
+    basis (None: sampled by the model, as the stage does); ``prompt_axes``: the r of each ``calibrated+r`` basis."""
     from kvstack.kernels.rope import apply_rope, rope_angles
-    from kvstack.kernels.transform_code import ComponentCode, fit_token_scale, scale_tokens
+    from kvstack.kernels.transform_code import (
+        ComponentCode, fit_token_scale, own_axes_reflectors, reflector_product, scale_tokens,
+    )
     from kvstack.stack.apply import output_cache
     from kvstack.stack.shape import ModelShape
     from kvstack.stages._quant_options import rope_frequencies
@@ -100,8 +104,11 @@ def measure(model, texts: dict[str, list[torch.Tensor]], bits: list[float], cali
                 coded = x[SINKS : n - RESIDUAL]
                 centred = coded - coded.mean(0)
                 own = torch.linalg.eigh((centred.T @ centred).double())[1].flip(-1).float()
-                for name, basis in (("weights", fixed["weights"][layer]), ("calibrated", fixed["calibrated"][layer]),
-                                    ("own", own)):
+                calibrated = fixed["calibrated"][layer]
+                led = {f"calibrated+{r}": calibrated @ reflector_product(
+                    own_axes_reflectors(coded @ calibrated, r).to(cache.layers[layer].keys.dtype)) for r in prompt_axes}
+                for name, basis in (("weights", fixed["weights"][layer]), ("calibrated", calibrated), ("own", own),
+                                    *led.items()):
                     y = x @ basis
                     middle = y[SINKS : n - RESIDUAL]
                     for b, key_scale in ((b, s) for b in bits for s in key_scales):
@@ -138,7 +145,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     """One row per (texts, bits, key scale), a column per basis."""
-    bases = ["weights", "calibrated", "own"]
+    bases = list(dict.fromkeys(r["basis"] for r in rows))
     table = {}
     for r in summary(rows):
         table.setdefault((r["texts"], r["bits"], r["key_scale"], r["count"]), {})[r["basis"]] = r["attention_error"]
@@ -161,9 +168,17 @@ def main(argv=None) -> None:
                         help="sampled (the model's own text), random (token ids) or a JSONL file of {\"text\": ...}")
     parser.add_argument("--key-scale", default="none",
                         help="none, token or none,token: key_scale of the coded keys (token: a float8 scale per key)")
+    parser.add_argument("--prompt-axes", default="",
+                        help="comma-separated r: also the calibrated basis led by the text's own r axes (prompt_axes)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="runs/key-basis")
     args = parser.parse_args(argv)
+    try:
+        prompt_axes = [int(r) for r in args.prompt_axes.split(",") if r]
+    except ValueError:
+        parser.error(f"--prompt-axes {args.prompt_axes!r} is not allowed: comma-separated whole numbers, e.g. 16,32")
+    if any(r < 1 for r in prompt_axes):
+        parser.error(f"--prompt-axes {args.prompt_axes!r} is not allowed: each at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     source = args.model or real_model.model_path()
@@ -187,12 +202,13 @@ def main(argv=None) -> None:
     else:
         lines = [json.loads(line)["text"] for line in Path(args.calibration).read_text().splitlines() if line.strip()]
         calibration = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"][:512]) for t in lines[:8]]
-    rows = measure(model, texts, bits, calibration, key_scales)
+    rows = measure(model, texts, bits, calibration, key_scales, prompt_axes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = models.describe_source(source) | {"model_dtype": str(next(model.parameters()).dtype), "bits": bits,
                                              "length": args.length, "calibration": args.calibration,
-                                             "key_scale": key_scales, "threads": torch.get_num_threads()}
+                                             "key_scale": key_scales, "prompt_axes": prompt_axes,
+                                             "threads": torch.get_num_threads()}
     (out / "key_basis.json").write_text(json.dumps({"metadata": meta, "rows": rows, "summary": summary(rows)},
                                                    indent=2) + "\n")
     print(markdown(rows))

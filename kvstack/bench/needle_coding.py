@@ -15,7 +15,9 @@ exact; fractional widths as ``key_bits`` takes them) and the key basis by a suff
 * none — the principal axes of this context's own keys (``own``: no cache could hold them for free, an upper bound
   on what a fixed basis does);
 * ``c`` — ``key_basis: calibrated`` (fitted once per model on the text it samples itself, as the stage does);
-* ``w`` — ``key_basis: weights`` (the ``k_proj`` weight's left singular vectors).
+* ``w`` — ``key_basis: weights`` (the ``k_proj`` weight's left singular vectors);
+* ``c+16`` / ``w+16`` — that basis with the coded tokens' own 16 leading principal axes leading it, as
+  ``prompt_axes: 16`` builds it (the reflectors rounded to the cache's dtype, as the tier holds them).
 
 Values are coded in their own principal axes (a bound, as ``own`` keys are), or with a ``c`` suffix on ``V`` in the
 calibrated value basis that ``value_coding: transform`` uses (fitted with the key basis, :func:`calibrate_bases`).
@@ -36,21 +38,24 @@ import torch
 #: tokens at each end of the context left exact, as a stack keeps its sinks and its residual
 SINKS, RESIDUAL = 4, 32
 EXACT = 16.0
-_CODING = re.compile(r"^(?P<key>\d+(?:\.\d+)?)(?P<basis>[cw]?)/(?P<value>\d+(?:\.\d+)?)(?P<vbasis>c?)$")
+_CODING = re.compile(r"^(?P<key>\d+(?:\.\d+)?)(?P<basis>[cw]?)(?:\+(?P<axes>\d+))?/(?P<value>\d+(?:\.\d+)?)"
+                     r"(?P<vbasis>c?)$")
 BASES = {"": "own", "c": "calibrated", "w": "weights"}
 
 
-def parse_coding(text: str) -> tuple[float, str, float, str]:
-    """``"4c/3"`` -> (4.0, "calibrated", 3.0, "own"); ``"3c/1.5c"`` -> (3.0, "calibrated", 1.5, "calibrated"); a
-    ``ValueError`` naming the coding and the form otherwise."""
+def parse_coding(text: str) -> tuple[float, str, float, str, int]:
+    """``"4c/3"`` -> (4.0, "calibrated", 3.0, "own", 0); ``"3c/1.5c"`` -> (3.0, "calibrated", 1.5, "calibrated", 0);
+    ``"4c+16/3"`` -> (4.0, "calibrated", 3.0, "own", 16): key bits, key basis, value bits, value basis, prompt axes;
+    a ``ValueError`` naming the coding and the form otherwise."""
     match = _CODING.match(text.strip())
-    if match is None:
-        raise ValueError(f"coding {text!r} is not allowed: KEY_BITS[c|w]/VALUE_BITS[c], e.g. 4c/3 or 3c/1.5c")
+    if match is None or (match["axes"] is not None and not match["basis"]):
+        raise ValueError(f"coding {text!r} is not allowed: KEY_BITS[c|w][+AXES]/VALUE_BITS[c], e.g. 4c/3, 4c+16/3 "
+                         "or 3c/1.5c (+AXES: the prompt's axes leading a c or w basis)")
     key, value = float(match["key"]), float(match["value"])
     for name, bits in (("key", key), ("value", value)):
         if not (0 < bits <= 8 or bits == EXACT):
             raise ValueError(f"coding {text!r}: {name} bits {bits:g} are not allowed: in (0, 8], or 16 for exact")
-    return key, BASES[match["basis"]], value, BASES[match["vbasis"]]
+    return key, BASES[match["basis"]], value, BASES[match["vbasis"]], int(match["axes"] or 0)
 
 
 def own_axes(x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +64,12 @@ def own_axes(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigh((centred.T @ centred).double())[1].flip(-1).float()
 
 
-def code_rows(x: torch.Tensor, bits: float, basis: torch.Tensor | None = None) -> torch.Tensor:
+def code_rows(x: torch.Tensor, bits: float, basis: torch.Tensor | None = None, prompt_axes: int = 0,
+              axes_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [n, C] float32 -> x with rows ``SINKS:n-RESIDUAL`` replaced by their round trip through a coder fitted on
-    them in ``basis`` (None: their own principal axes)."""
-    from kvstack.kernels.transform_code import ComponentCode
+    them in ``basis`` (None: their own principal axes), led by their ``prompt_axes`` own axes (reflectors rounded to
+    ``axes_dtype``, as ``prompt_axes`` holds them)."""
+    from kvstack.kernels.transform_code import ComponentCode, own_axes_reflectors, reflector_product
     from kvstack.stages._transform_tier import coder_levels
 
     n, c = x.shape
@@ -70,6 +77,8 @@ def code_rows(x: torch.Tensor, bits: float, basis: torch.Tensor | None = None) -
     if middle.shape[0] < 2:
         return x
     basis = own_axes(middle) if basis is None else basis
+    if prompt_axes:
+        basis = basis @ reflector_product(own_axes_reflectors(middle @ basis, prompt_axes).to(axes_dtype))
     y = middle @ basis
     code = ComponentCode.fit(y, round(bits * c), coder_levels(c, bits))
     out = x.clone()
@@ -79,9 +88,10 @@ def code_rows(x: torch.Tensor, bits: float, basis: torch.Tensor | None = None) -
 
 @torch.no_grad()
 def code_cache(cache, shape, key_bits: float, value_bits: float, bases: dict[int, torch.Tensor] | None,
-               value_bases: dict[int, torch.Tensor] | None = None) -> None:
+               value_bases: dict[int, torch.Tensor] | None = None, prompt_axes: int = 0) -> None:
     """Code every layer of a ``DynamicCache`` holding one sequence at positions ``0..n-1`` in place (module
-    docstring); ``bases`` / ``value_bases``: the key / value basis per layer (None: each layer's own axes)."""
+    docstring); ``bases`` / ``value_bases``: the key / value basis per layer (None: each layer's own axes);
+    ``prompt_axes``: the keys' own axes leading their basis."""
     from kvstack.kernels.rope import apply_rope, rope_angles
     from kvstack.stages._quant_options import rope_frequencies
     from kvstack.stages._transform_tier import pre_rope_vectors
@@ -93,7 +103,7 @@ def code_cache(cache, shape, key_bits: float, value_bits: float, bases: dict[int
             inv_freq = rope_frequencies(shape, index)
             positions = torch.arange(n, device=keys.device)
             x = pre_rope_vectors(keys, positions[None, None], inv_freq)[0]
-            coded = code_rows(x, key_bits, None if bases is None else bases[index])
+            coded = code_rows(x, key_bits, None if bases is None else bases[index], prompt_axes, keys.dtype)
             cos, sin = rope_angles(positions, inv_freq.to(keys.device))
             rotated = apply_rope(coded.reshape(n, heads, dim).transpose(0, 1)[None], cos, sin).to(keys.dtype)
             middle = slice(SINKS, max(SINKS, n - RESIDUAL))
@@ -116,8 +126,8 @@ def measure(model, tokenizer, tasks: list[dict], codings: list[str], max_new_tok
     parsed = {text: parse_coding(text) for text in codings}
     shape = ModelShape.from_model(model)
     layers = range(shape.num_layers)
-    key_sources = {basis for key, basis, _, _ in parsed.values() if key < EXACT and basis != "own"}
-    coded_values = any(vb == "calibrated" and bits < EXACT for _, _, bits, vb in parsed.values())
+    key_sources = {basis for key, basis, _, _, _ in parsed.values() if key < EXACT and basis != "own"}
+    coded_values = any(vb == "calibrated" and bits < EXACT for _, _, bits, vb, _ in parsed.values())
     bases: dict[str, dict[int, torch.Tensor]] = {}
     value_bases = None
     # one calibration pass fits the keys' and the values' bases together
@@ -132,15 +142,15 @@ def measure(model, tokenizer, tasks: list[dict], codings: list[str], max_new_tok
     eos = real_model._eos_ids(model, tokenizer)
     rows = []
     for index, task in enumerate(tasks):
-        for text, (key_bits, basis, value_bits, vbasis) in parsed.items():
+        for text, (key_bits, basis, value_bits, vbasis, axes) in parsed.items():
             def code(cache):
                 code_cache(cache, shape, key_bits, value_bits, bases.get(basis),
-                           value_bases if vbasis == "calibrated" else None)
+                           value_bases if vbasis == "calibrated" else None, axes)
 
             row = real_model.needle_task(model, tokenizer, task, DynamicCache(config=model.config), 1,
                                          max_new_tokens, eos, after_context=code)
             rows.append({"task": task.get("_index", index), "coding": text, "key_bits": key_bits,
-                         "key_basis": basis, "value_bits": value_bits, "value_basis": vbasis,
+                         "key_basis": basis, "prompt_axes": axes, "value_bits": value_bits, "value_basis": vbasis,
                          "context_tokens": row["context_tokens"], "depth": row["depth"], "answer": row["answer"],
                          "reply": row["reply"], "correct": row["correct"]})
     return rows
@@ -168,8 +178,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or GGUF (default: the shared SmolLM2)")
     parser.add_argument("--codings", default="16/16,4c/3,4/3,16/3",
-                        help="KEY_BITS[c|w]/VALUE_BITS[c], comma-separated (16: exact; c: calibrated, "
-                        "w: weights basis)")
+                        help="KEY_BITS[c|w][+AXES]/VALUE_BITS[c], comma-separated (16: exact; c: calibrated, "
+                        "w: weights basis; +AXES: the prompt's own axes leading it)")
     parser.add_argument("--tasks", type=int, default=4, help="needle tasks per length (the first N)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths of the needle dev set")
     parser.add_argument("--only", default=None, help="task indices within each length to run (e.g. 4,26)")

@@ -22,6 +22,11 @@ This file holds the coder given ``y`` (the basis and where it comes from are the
   component's levels relative to its centre, sorted, component after component; a width-0 component has the one
   level 0, its mean). ``encode`` picks the nearest level of every component and packs the codes; ``decode`` unpacks
   them and looks the levels up; ``reconstruct`` returns ``x^ = y^ U^T`` directly.
+* :func:`own_axes_reflectors` / :func:`reflector_product` — a basis adapted to the data at a small price: the
+  Householder reflectors [C, r] of an orthogonal ``Q`` whose first ``r`` columns are the samples' ``r`` leading
+  principal axes, so that ``U Q`` leads with them and keeps ``U``'s other axes, reflected into their complement.
+  Storing the reflectors costs ``r C`` numbers where a basis of its own costs ``C^2``; ``Q`` is exactly orthogonal
+  whatever precision they are stored in (each ``tau`` is recomputed from its rounded reflector).
 
 Packing: blocks in coded order, block ``b`` of width ``w`` is ``w`` bytes: its 8 codes form an ``8 w``-bit little-endian
 integer, code ``i`` in bits ``[w i, w (i + 1))``. Width 0 takes no bytes.
@@ -320,6 +325,28 @@ def transform_reference(x: torch.Tensor, basis: torch.Tensor, code: ComponentCod
     return (y_hat @ basis.double().T).reshape(x.shape)
 
 
+def own_axes_reflectors(y: torch.Tensor, count: int) -> torch.Tensor:
+    """Samples ``y`` [N, C] (components in a basis ``U``) -> Householder reflectors float32 [C, count] (unit diagonal,
+    zeros above it) whose product :func:`reflector_product` ``Q`` has the samples' ``count`` leading principal axes
+    (by decreasing variance, up to sign) as its first columns: ``U Q`` is ``U`` with those axes leading."""
+    y = y.double()
+    centred = y - y.mean(0) if y.shape[0] else y
+    axes = torch.linalg.eigh(centred.T @ centred)[1].flip(-1)[:, :count]
+    packed, _ = torch.geqrf(axes)  # axes = H_1 ... H_count [R; 0], the reflectors below R's diagonal
+    return (torch.tril(packed, -1) + torch.eye(*packed.shape, dtype=packed.dtype, device=y.device)).float()
+
+
+def reflector_product(reflectors: torch.Tensor) -> torch.Tensor:
+    """Reflectors [C, r] (unit diagonal, zeros above it, any float dtype) -> ``Q = H_1 ... H_r`` float32 [C, C] with
+    ``H_i = I - tau_i v_i v_i^T``, ``tau_i = 2 / |v_i|^2``: an exact reflection for the stored (rounded) ``v_i``, so
+    ``Q`` is orthogonal to float32 precision."""
+    v = reflectors.float()
+    c, r = v.shape
+    padded = torch.zeros(c, c, dtype=v.dtype, device=v.device)
+    padded[:, :r] = v
+    return torch.linalg.householder_product(padded, 2 / v.pow(2).sum(0))
+
+
 def weight_basis(weight: torch.Tensor) -> torch.Tensor:
     """The left singular vectors of a projection's weight [C, hidden] (float32 [C, C], orthonormal columns, by
     decreasing singular value): the directions its outputs span, most energetic first. For keys ``k = x W^T`` of
@@ -333,5 +360,6 @@ def weight_basis(weight: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BLOCK", "ComponentCode", "MAX_BITS", "allocate_widths", "fit_token_scale", "gaussian_lloyd", "lloyd_levels",
-    "scale_tokens", "transform_reference", "uniform_levels", "weight_basis",
+    "own_axes_reflectors", "reflector_product", "scale_tokens", "transform_reference", "uniform_levels",
+    "weight_basis",
 ]

@@ -103,6 +103,13 @@ class QuantOptions(BaseModel):
         "calibration text (kvstack.apply(model, spec, calibration=...), else text sampled from the model itself), "
         "fitted once per model when the stack is applied.",
     )
+    prompt_axes: int = Field(
+        default=0, ge=0,
+        description="coding: transform — adapt the key basis to this cache: each time the key coder is fitted, this "
+        "many leading principal axes of the tier's own pre-RoPE keys lead the basis (the rest: key_basis's axes, "
+        "reflected into their complement), held per quantized level and layer as that many Householder reflectors "
+        "of num_kv_heads x head_dim numbers in the model dtype and counted. 0: key_basis alone.",
+    )
     key_scale: Literal["none", "token"] = Field(
         default="none",
         description="coding: transform — none: no scale per token (the levels alone, as KVTC); token: each token's "
@@ -146,12 +153,12 @@ class QuantOptions(BaseModel):
     def quant_option_fields_inactive(self, bits: list[int]) -> set[str]:
         """Option fields that do not act (every one when no level is quantized; ``rotate_seed`` unless random)."""
         if all(b == 16 for b in bits):
-            return {"coding", "value_coding", "key_basis", "key_scale", "rotate", "rotate_seed", "key_rope",
-                    "codebook", "value_clip", "scale_dtype"}
+            return {"coding", "value_coding", "key_basis", "key_scale", "prompt_axes", "rotate", "rotate_seed",
+                    "key_rope", "codebook", "value_clip", "scale_dtype"}
         inactive = set() if self.rotate == "random" else {"rotate_seed"}
         if self.values_coded:
             inactive |= {"value_group_size"}
-        return inactive if self.transform_coded else inactive | {"key_basis", "key_scale"}
+        return inactive if self.transform_coded else inactive | {"key_basis", "key_scale", "prompt_axes"}
 
     @property
     def transform_coded(self) -> bool:
@@ -201,6 +208,12 @@ class QuantOptions(BaseModel):
             return
         if self.transform_coded:
             check_transform_shape(shape)
+            components = shape.num_kv_heads * shape.head_dim
+            if self.prompt_axes > components:
+                raise spec_error(
+                    "prompt_axes", self.prompt_axes,
+                    f"0 to num_kv_heads x head_dim = {components} for this model (one axis per key component)",
+                )
         if self.values_coded and (shape.num_kv_heads * shape.value_dim) % BLOCK:
             raise spec_error(
                 "value_coding", "transform",

@@ -23,6 +23,13 @@ multiple of 1/4 whose total, ``key_bits * C``, is whole bytes: :func:`key_code_b
   another). Fitted on 2,048 tokens, it cuts the attention error of 1- to 4-bit keys by 1.7x to 3x against
   ``weights`` on SmolLM2 (docs/quantization.md, ``kvstack.bench.key_basis``).
 
+With ``prompt_axes: r`` the cache adapts that basis to its own keys: each time the key coder is fitted, the ``r``
+leading principal axes of the tier's pre-RoPE keys replace the basis's leading axes, stored as ``r`` Householder
+reflectors [C, r] in the model dtype (:func:`own_axes_reflectors`; the basis read is ``U Q``, formed when the tier is
+read or written and not kept). A fixed basis misses how one long prompt's keys lean: on SmolLM2, 16 axes cut the
+attention error of 2- to 4-bit keys by 16-26% against the calibrated basis alone (docs/quantization.md, "The prompt's
+own axes"), for ``r x C`` numbers where a basis of the prompt's own would cost ``C x C``.
+
 Values (``value_coding``): ``kivi`` — per token, as ``kind: quantize`` stores them (``value_group_size`` channels per
 group, the stage's ``rotate`` / ``codebook`` / ``scale_dtype`` / ``value_clip``; ``kvstack/kernels/quant_pack.py``);
 ``transform`` — as the keys, without RoPE: each token's values of all KV heads form one vector [Hkv * Dv] coded by a
@@ -33,10 +40,11 @@ values below KIVI's 2 bits plus scales (docs/quantization.md, "Transform-coded v
 
 What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], with ``key_scale: token`` ``key_scale``
 [B, 1, T, 1] (1 byte in float8, else the model dtype's size) and per layer the coder's ``key_mean`` (float32 [C]) and
-``key_rms`` (float32 [1]), ``value_codes`` / ``value_scale`` / ``value_zero`` [B, Hkv, T, ...] (transform-coded:
-``value_codes`` uint8 [B, 1, T, bytes] alone), ``positions`` int32 [B, 1, T], per-token records, and per layer each
-coder's ``order`` (int16 [C]), ``offsets`` (int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number,
-:func:`coder_levels`: float16 in 16-bit models, float32 in float32 ones), plus a ``random`` rotation's matrix. The
+``key_rms`` (float32 [1]), with ``prompt_axes`` the reflectors ``axes`` [C, r] in the model dtype, ``value_codes`` /
+``value_scale`` / ``value_zero`` [B, Hkv, T, ...] (transform-coded: ``value_codes`` uint8 [B, 1, T, bytes] alone),
+``positions`` int32 [B, 1, T], per-token records, and per layer each coder's ``order`` (int16 [C]), ``offsets``
+(int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number, :func:`coder_levels`: float16 in 16-bit models,
+float32 in float32 ones), plus a ``random`` rotation's matrix. The
 bases are the model's, not the cache's: float32 [C, C] per layer each, computed once per model (from its weights, or
 when the stack is applied) and shared by every cache of the model like the weights, so they are not counted
 (SmolLM2: 30 x 192 x 192 x 4 bytes = 4.4 MB per basis, against 270 MB of bf16 weights). Every part is per token:
@@ -57,7 +65,9 @@ import torch
 
 from kvstack.kernels.quant_pack import QuantizedGroups, dequantize, quantize
 from kvstack.kernels.rope import apply_rope, rope_angles
-from kvstack.kernels.transform_code import ComponentCode, fit_token_scale, scale_tokens, uniform_levels, weight_basis
+from kvstack.kernels.transform_code import (
+    ComponentCode, fit_token_scale, own_axes_reflectors, reflector_product, scale_tokens, uniform_levels, weight_basis,
+)
 from kvstack.stack.errors import KVStackError, SpecError
 from kvstack.stack.memory import POSITION_BYTES
 from kvstack.stack.shape import ModelShape, caching_attention_modules
@@ -96,10 +106,11 @@ def levels_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 def coder_bytes(shape, key_bits: float, dtype: torch.dtype, key_scale: str = "none",
-                value_bits: float | None = None) -> int:
+                value_bits: float | None = None, prompt_axes: int = 0) -> int:
     """Bytes per layer of one level's coders: the key coder's order int16, offsets int32, centre float32 per component
     and its levels; with ``key_scale: token`` also its mean (float32 per component) and mean RMS (one float32); with
-    transform-coded values (``value_bits``) the value coder's, alike."""
+    transform-coded values (``value_bits``) the value coder's, alike; with ``prompt_axes`` the reflectors, C numbers
+    each in ``dtype``."""
     item = torch.empty((), dtype=levels_dtype(dtype)).element_size()
 
     def one(c: int, bits: float) -> int:
@@ -108,7 +119,8 @@ def coder_bytes(shape, key_bits: float, dtype: torch.dtype, key_scale: str = "no
     c = shape.num_kv_heads * shape.head_dim
     scaled = (c + 1) * 4 if key_scale == "token" else 0
     values = 0 if value_bits is None else one(shape.num_kv_heads * shape.value_dim, value_bits)
-    return one(c, key_bits) + scaled + values
+    axes = prompt_axes * c * torch.empty((), dtype=dtype).element_size()
+    return one(c, key_bits) + scaled + values + axes
 
 
 # ---------------------------------------------------------------------------------------------- bases
@@ -284,14 +296,17 @@ class TransformCodedTier(ExactTier):
     """Tokens with transform-coded keys and KIVI or transform-coded values (module docstring). ``codec``: the stage's
     :class:`TierCodec` (its ``inv_freq`` un-rotates keys; its rotation, levels, scale format and clip act on KIVI
     values); ``value_group``: channels per KIVI value group; ``value_bits`` with a ``value_basis``: the values are
-    transform-coded at that average width instead (``value_coding: transform``)."""
+    transform-coded at that average width instead (``value_coding: transform``); ``prompt_axes``: the tier's own key
+    axes that lead the basis (module docstring)."""
 
     _tensor_names = ("key_codes", "key_scale", "value_codes", "value_scale", "value_zero", "positions")
 
     def __init__(self, key_bits: float, bits: int, value_group: int, dtype: torch.dtype, label: str, name: str,
                  basis: torch.Tensor, codec, holds_codec_tensors: bool = True, token_scale: bool = False,
-                 value_bits: float | None = None, value_basis: torch.Tensor | None = None):
+                 value_bits: float | None = None, value_basis: torch.Tensor | None = None, prompt_axes: int = 0):
         self.name, self.label = name, label
+        self.prompt_axes = prompt_axes
+        self.axes: torch.Tensor | None = None  # [C, prompt_axes] reflectors in the model dtype, from the first fit
         self.token_scale = token_scale
         self.key_mean: torch.Tensor | None = None  # [C] float32, token_scale only
         self.key_rms: torch.Tensor | None = None  # [1] float32, token_scale only
@@ -312,7 +327,7 @@ class TransformCodedTier(ExactTier):
     def memory_bytes(self) -> int:
         coders = [c for c in (self.key_code, self.value_code) if c is not None]
         coder = sum(t.nbytes for c in coders for t in c.tensors().values())
-        coder += sum(t.nbytes for t in (self.key_mean, self.key_rms) if t is not None)
+        coder += sum(t.nbytes for t in (self.key_mean, self.key_rms, self.axes) if t is not None)
         rotation = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
         return super().memory_bytes() + coder + rotation
 
@@ -339,22 +354,34 @@ class TransformCodedTier(ExactTier):
             code.levels = code.levels.to(levels_dtype(self.dtype))
         return code
 
-    def _fit(self, y: torch.Tensor, v: torch.Tensor | None, valid: torch.Tensor) -> None:
-        """Fit the key coder on components ``y`` [B, n, C] (and the value coder on ``v``) of the ``valid`` [B, n]
-        tokens."""
-        samples = y.reshape(-1, y.shape[-1])[valid.reshape(-1)]
+    def _fit(self, x: torch.Tensor, v: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
+        """Fit the prompt axes (``prompt_axes``) and the key coder on the pre-RoPE key vectors ``x`` [B, n, C] (and
+        the value coder on ``v``) of the ``valid`` [B, n] tokens; returns the key components [B, n, C]."""
+        valid = valid.reshape(-1)
+        if self.prompt_axes:
+            basis = self._on("basis", x.device)
+            self.axes = own_axes_reflectors(x.reshape(-1, x.shape[-1])[valid] @ basis, self.prompt_axes).to(self.dtype)
+        y = x @ self._key_basis(x.device)
+        samples = y.reshape(-1, y.shape[-1])[valid]
         if self.token_scale:
             self.key_mean, self.key_rms = fit_token_scale(samples)
             samples = self._normalise(samples[None])[0][0]
         self.key_code = self._fit_code(samples, self.key_bits, "key")
         if v is not None:
-            self.value_code = self._fit_code(v.reshape(-1, v.shape[-1])[valid.reshape(-1)], self.value_bits, "value")
+            self.value_code = self._fit_code(v.reshape(-1, v.shape[-1])[valid], self.value_bits, "value")
         self.fitted_on = int(valid.sum())
+        return y
 
     # ------------------------------------------------------------------------------------- keys
-    def _components(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys [B, H, n, D] at positions [B, 1, n] -> pre-RoPE components [B, n, C] float32."""
-        return pre_rope_vectors(keys, positions, self.codec.inv_freq) @ self._on("basis", keys.device)
+    def _key_basis(self, device) -> torch.Tensor:
+        """The basis the keys are coded in: the stage's, with ``prompt_axes`` times the reflectors' product (formed
+        on each read or write, a C x C product of r reflections, not kept: the cache holds the reflectors only)."""
+        basis = self._on("basis", device)
+        return basis if self.axes is None else basis @ reflector_product(self.axes)
+
+    def _pre_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys [B, H, n, D] at positions [B, 1, n] -> pre-RoPE vectors [B, n, C] float32."""
+        return pre_rope_vectors(keys, positions, self.codec.inv_freq)
 
     def _scale_dtype(self) -> torch.dtype:
         return self.codec.scale_dtype or self.dtype
@@ -371,7 +398,7 @@ class TransformCodedTier(ExactTier):
     def _keys(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Slots ``start:stop`` -> post-RoPE keys [B, H, n, D], the basis product and RoPE in ``dtype`` (float32 or
         float64: the attention engine's compute dtype)."""
-        basis = self._on("basis", self.key_codes.device)
+        basis = self._key_basis(self.key_codes.device)
         k = self.key_code.reconstruct(self.key_codes[:, 0, start:stop], basis, dtype)
         if self.token_scale:  # x = (mean + s * rms * z) U^T
             scale = self.key_scale[:, 0, start:stop, 0].to(dtype) * self.key_rms.to(dtype)
@@ -457,25 +484,23 @@ class TransformCodedTier(ExactTier):
             if not bool(torch.isfinite(x).all()):
                 raise QuantizationError(f"{self.label}: cannot code {what} with NaN or Inf")
         self.heads, self._value_dim, self.dtype = keys.shape[1], values.shape[-1], keys.dtype
-        y = self._components(keys, positions)
+        x = self._pre_rope(keys, positions)
         v = self._value_components(values) if self.values_coded else None
         valid = positions[:, 0] >= 0  # [B, n]
         if self.positions is None:
             self.positions = positions
-            self._fit(y, v, valid)
-            self._store(y, v, values)
+            self._store(self._fit(x, v, valid), v, values)
         elif self.fitted_on < FIT_TOKENS and int(self.valid().sum() + valid.sum()) >= 2 * max(self.fitted_on, 1):
             # re-fit on the held tokens (as decoded) and the new ones, and re-code every held key (and coded value)
-            y = torch.cat([self._components(self._keys(0, self.num_tokens), self.positions), y], 1)
+            x = torch.cat([self._pre_rope(self._keys(0, self.num_tokens), self.positions), x], 1)
             if v is not None:
                 held = self._values(0, self.num_tokens, torch.float32)
                 v = torch.cat([self._value_components(held), v], 1)
             self.positions = torch.cat([self.positions, positions], -1)
-            self._fit(y, v, self.valid()[:, 0])
-            self._store(y, v, values, refit=True)
+            self._store(self._fit(x, v, self.valid()[:, 0]), v, values, refit=True)
         else:
             self.positions = torch.cat([self.positions, positions], -1)
-            self._store(y, v, values, append=True)
+            self._store(x @ self._key_basis(x.device), v, values, append=True)
         self._append_token_data(keys.shape[-2], records)
 
     def _store(self, y: torch.Tensor, v: torch.Tensor | None, values: torch.Tensor, append: bool = False,
@@ -511,14 +536,15 @@ class TransformCodedTier(ExactTier):
 
 def transform_tier(shape, layer_idx: int, key_bits: float, bits: int, value_group: int, label: str, name: str, codec,
                    holds_codec_tensors: bool = True, basis: str = "weights", key_scale: str = "none",
-                   value_bits: float | None = None) -> TransformCodedTier:
+                   value_bits: float | None = None, prompt_axes: int = 0) -> TransformCodedTier:
     """The tier of one transform-coded level of layer ``layer_idx`` (``codec``: the stage's, with pre-RoPE keys;
-    ``basis``, ``key_scale``: the stage's ``key_basis`` and ``key_scale``; ``value_bits``: transform-coded values at
-    that width in the calibrated value basis, None: KIVI values at ``bits``)."""
+    ``basis``, ``key_scale``, ``prompt_axes``: the stage's ``key_basis``, ``key_scale`` and ``prompt_axes``;
+    ``value_bits``: transform-coded values at that width in the calibrated value basis, None: KIVI values at
+    ``bits``)."""
     values = None if value_bits is None else value_basis(shape, layer_idx)
     return TransformCodedTier(key_bits, bits, value_group, shape.dtype, label, name, key_basis(shape, layer_idx, basis),
                               codec, holds_codec_tensors, token_scale=key_scale == "token", value_bits=value_bits,
-                              value_basis=values)
+                              value_basis=values, prompt_axes=prompt_axes)
 
 
 def transform_token_bytes(shape, key_bits: float, bits: int, value_group: int, scale_bytes: int,

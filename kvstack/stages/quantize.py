@@ -501,7 +501,8 @@ class QuantizeSpec(StageSpec, QuantOptions):
             layer.tiers.append(TierPlan("quantized", quantized, cost, narrowable))
             if quantized:  # a random rotation's matrix, or the transform coders, exist from the first quantized token
                 layer.fixed_bytes += self.fixed_bytes(shape) + (
-                    coder_bytes(shape, self.bits, plan.dtype, self.key_scale, self.value_bits) if self.transform_coded
+                    coder_bytes(shape, self.bits, plan.dtype, self.key_scale, self.value_bits, self.prompt_axes)
+                    if self.transform_coded
                     else 0
                 )
 
@@ -534,7 +535,7 @@ class QuantizeStage(Stage):
         if self.spec.transform_coded:
             tier = transform_tier(self.shape, layer.layer_idx, self.spec.bits, self.spec.bits, self.value_group, label,
                                   "quantized", codec, basis=self.spec.key_basis, key_scale=self.spec.key_scale,
-                                  value_bits=self.spec.value_bits)
+                                  value_bits=self.spec.value_bits, prompt_axes=self.spec.prompt_axes)
         else:
             tier = QuantizedTier(
                 self.spec.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,

@@ -367,7 +367,7 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         coders = 0
         if self.transform_coded:
             coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype, self.key_scale,
-                                     self.coded_value_bits(level))
+                                     self.coded_value_bits(level), self.prompt_axes)
                          for level in self.levels(layer_idx) if level.bits != 16)
         return QuantOptions.fixed_bytes(self, shape) + coders
 
@@ -681,7 +681,8 @@ class QuantizedPruneStage(Stage):
             if self.spec.transform_coded:
                 tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
                                       level.tier_name, codec, holder, basis=self.spec.key_basis,
-                                      key_scale=self.spec.key_scale, value_bits=self.spec.coded_value_bits(level))
+                                      key_scale=self.spec.key_scale, value_bits=self.spec.coded_value_bits(level),
+                                      prompt_axes=self.spec.prompt_axes)
             else:
                 tier = QuantizedTier(
                     level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
