@@ -736,3 +736,13 @@ def test_the_key_basis_bench_refuses_prompt_axes_it_cannot_build_before_loading_
     with pytest.raises(SystemExit):
         key_basis.main(["--prompt-axes", bad, "--model", "/nonexistent"])
     assert f"--prompt-axes {bad!r} is not allowed" in capsys.readouterr().err
+
+
+def test_the_key_basis_bench_refuses_more_prompt_axes_than_the_model_has_components(monkeypatch, capsys):
+    from kvstack.bench import key_basis, models
+
+    model = tiny_model("llama", head_dim=16)  # C = 32
+    monkeypatch.setattr(models, "load_causal_lm", lambda source: (model, None))
+    with pytest.raises(SystemExit):
+        key_basis.main(["--prompt-axes", "16,33", "--model", "tiny"])
+    assert "each at most num_kv_heads x head_dim = 32 for this model" in capsys.readouterr().err

@@ -158,6 +158,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     from kvstack.bench import models, real_model
+    from kvstack.stack.shape import ModelShape
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or GGUF (default: the shared SmolLM2)")
@@ -183,6 +184,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     source = args.model or real_model.model_path()
     model, tokenizer = models.load_causal_lm(source)
+    shape = ModelShape.from_model(model)
+    components = shape.num_kv_heads * shape.head_dim
+    if any(r > components for r in prompt_axes):
+        parser.error(f"--prompt-axes {args.prompt_axes!r} is not allowed: each at most num_kv_heads x head_dim = "
+                     f"{components} for this model")
 
     def encode(text: str) -> torch.Tensor:
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.length])
