@@ -607,15 +607,35 @@ def test_a_random_rotation_comes_out_of_the_budget_before_any_token():
 
 
 
+def test_with_a_fill_tier_the_tokens_the_matrix_would_cost_are_kept_at_16_bits_and_the_matrix_goes_with_the_codes():
+    """The same budget with a 16-bit fill tier: at 40 tokens the layer keeps 16-bit tokens alone in the bytes the
+    matrix would take (``LevelSplit.alone``), drawing none; at 256 tokens it codes, with the matrix; and when
+    ``keep_at_most`` empties the layer, the matrix is dropped with the last code."""
+    model = tiny_model("llama", head_dim=64)
+    tiers = [{"fill": True, "bits": 16}, {"rest": True, "bits": 3}]
+    spec = kvstack.StackSpec.load(options_stack(tiers, stack_budget={"ratio": 0.25}, rotate="random"))
+    for n, coded in ((40, False), (256, True)):
+        cache, _ = prefill(model, spec, n)
+        assert cache.memory_bytes() <= 0.25 * cache.full_bytes()
+        for layer in cache.layers:
+            assert (layer.tiers[1].codec.rotation is not None) == coded == (layer.tiers[1].num_tokens > 0)
+            assert int(layer.kept_counts().max()) == layer.stages[0].split_for(layer).cap(n) > 0
+    layer = cache.layers[0]
+    layer.stages[0].keep_at_most(layer, None, 0)  # the window scorer reads no statistics
+    assert layer.tiers[1].num_tokens == 0 and layer.tiers[1].codec.rotation is None and layer.memory_bytes() == 0
+
+
 @pytest.mark.parametrize(("preset", "sinks_from", "every_token_from"),
-                         [("kivi-3-budget", 17, 551), ("transform-budget", 75, 966)])
+                         [("kivi-3-budget", 17, 551), ("transform-budget", 22, 966)])
 def test_the_budget_presets_keep_every_token_from_the_documented_length_with_the_sinks_at_16_bits(
     preset, sinks_from, every_token_from
 ):
     """docs/quantization.md ("A tier that fills the budget"): under a quarter of SmolLM2's bf16 cache the preset's
     levels, with its 4 sinks at 16 bits, hold every token of a prompt from ``every_token_from`` tokens on (shorter
     ones drop their oldest tokens after the sinks), and the 4 sinks are in the 16-bit fill tier from ``sinks_from``
-    tokens on (before, the budget, less the coders' fixed bytes, cannot hold them: they yield, the first sinks last)."""
+    tokens on (before, the budget cannot hold them: they yield, the first sinks last; ``transform-budget`` keeps its
+    short prompts at 16 bits alone, without the coders' fixed bytes, so its sinks fit much earlier than the 75 tokens
+    after which the budget less the coders would hold them)."""
     shape = smollm2_shape()
     spec = kvstack.StackSpec.load(preset)
     split = spec.stages[0].level_split(shape, torch.bfloat16, spec.budget, None, 0)

@@ -444,6 +444,47 @@ def test_the_sinks_keep_the_fill_tier_when_the_levels_below_could_take_every_byt
             model(ids[:, t : t + 1], cache=cache)
 
 
+def test_a_layer_whose_share_barely_pays_its_coders_keeps_16_bit_tokens_alone_until_coding_keeps_more():
+    """Under ``ratio: 0.25`` of a 40-token prompt a layer's limit is little more than its coders' bytes: coding would
+    keep 2 tokens, the fill tier alone (no coder held) keeps 9 at 16 bits, the sinks first. Decoding on, the stack
+    codes from the step where that keeps more (51 tokens on), fitting the coders then; the budget
+    holds at every step. When the levels below empty again (``keep_at_most`` to the sinks), the coders go with their
+    last token, and the next token fits them afresh."""
+    model = tiny_model("llama", head_dim=16)
+    spec = pruned(3, bits=3, n_sink=4, scale_dtype="float16", every=1)
+    spec["stages"][0]["tiers"][0] = {"fill": True, "bits": 16}
+    spec["budget"] = {"ratio": 0.25}
+    ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(8))
+    with kvstack.applied(model, kvstack.StackSpec.load(spec)), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids[:, :40], cache=cache)
+        for layer in cache.layers:
+            split = layer.stages[0].split_for(layer)
+            assert split.cap(40) == split.alone(40) == 9 and split.coded_cap(40, 0) == 2
+            tier = tier_of(cache, layer.layer_idx)
+            assert tier.memory_bytes() == 0 and tier.key_code is None
+            assert sorted(layer.full.positions[0, 0].tolist())[:4] == [0, 1, 2, 3] and layer.full.num_tokens == 9
+        assert cache.memory_bytes() <= 0.25 * kvstack.full_cache_bytes(model.config, 40)
+        coded_from = None
+        for t in range(40, 69):
+            model(ids[:, t : t + 1], cache=cache)
+            assert cache.memory_bytes() <= 0.25 * kvstack.full_cache_bytes(model.config, t + 1)
+            if coded_from is None and tier_of(cache).num_tokens:
+                coded_from = t + 1
+                assert tier_of(cache).key_code is not None
+        layer = cache.layers[0]
+        split = layer.stages[0].split_for(layer)
+        assert coded_from == min(n for n in range(41, 70) if split.alone(n) is None) == 51
+        tier, before = tier_of(cache), layer.memory_bytes()
+        fixed = coder_bytes(cache.shape, 3, torch.float32)
+        layer.stages[0].keep_at_most(layer, None, 4)  # the window scorer reads no statistics
+        assert tier.num_tokens == 0 and tier.key_code is None and tier.memory_bytes() == 0
+        assert before - layer.memory_bytes() >= fixed
+        model(ids[:, 69:70], cache=cache)
+        assert tier.num_tokens and tier.key_code is not None
+        assert cache.memory_bytes() <= 0.25 * kvstack.full_cache_bytes(model.config, 70)
+
+
 @pytest.mark.parametrize("value_coding", ["kivi", "transform"])
 def test_the_recent_window_keeps_the_fill_tier_when_the_levels_below_could_take_every_byte(value_coding):
     """3-bit keys and values under ``ratio: 0.25`` could hold every token (and pay their coders) and leave the fill tier

@@ -375,6 +375,11 @@ class TierCodec:
         """Tensors the tier holds for the codec (counted in its memory)."""
         return {} if self.rotation is None else {"rotation": self.rotation}
 
+    def release(self) -> None:
+        """Drop the tensors of ``fixed_tensors`` while no token needs them (the rotation is drawn again, from the
+        same seed, on next use)."""
+        self.rotation = None
+
     # rotations ------------------------------------------------------------------------------------------
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotation is None:

@@ -331,6 +331,16 @@ class TransformCodedTier(ExactTier):
         rotation = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
         return super().memory_bytes() + coder + rotation
 
+    def release(self) -> None:
+        """Called when this tier and its stage's other levels hold no token: the coders, the prompt axes and the
+        codec's tensors go (the next token fits them afresh)."""
+        self.key_code = self.value_code = self.axes = self.key_mean = self.key_rms = None
+        self.fitted_on = 0
+        for n in self._tensor_names:
+            setattr(self, n, None)
+        if self.holds_codec_tensors:
+            self.codec.release()
+
     # ------------------------------------------------------------------------------------- coders
     def _on(self, name: str, device) -> torch.Tensor:
         """The basis ``name`` (``basis``, ``value_basis``), moved once to where the cache lives."""

@@ -223,6 +223,11 @@ class QuantizedTier(ExactTier):
         held = sum(t.nbytes for t in self.codec.fixed_tensors().values()) if self.holds_codec_tensors else 0
         return super().memory_bytes() + held
 
+    def release(self) -> None:
+        """Called when this tier and its stage's other levels hold no token: the codec's tensors go."""
+        if self.holds_codec_tensors:
+            self.codec.release()
+
     # ------------------------------------------------------------------------------- attention side
     @property
     def block_align(self) -> int:

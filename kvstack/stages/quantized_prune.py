@@ -516,7 +516,12 @@ class LevelSplit:
     best-ranked of them the bytes left — less that ``slack`` — keep at the fill tier's precision; the levels below
     split the other ``N - fill`` by their fractions. The ``protected`` best-ranked tokens (the sinks and the recent
     window, ranked first) are the fill tier's before the levels below or the arrivals take any room: ``N`` is the
-    most tokens whose cost with them at the fill tier's precision fits."""
+    most tokens whose cost with them at the fill tier's precision fits.
+
+    The ``fixed`` bytes exist only while a quantized level holds a token (the stage releases them when the levels
+    empty). So with a fill tier a layer may keep its tokens at the fill tier's precision alone, without them
+    (``alone``): it does whenever that keeps at least as many tokens as coding does (a layer whose share barely
+    exceeds the coders' bytes keeps more 16-bit tokens in their place)."""
 
     def __init__(self, budget, reference: int, costs, full: int, slack: int, cumulative, fixed: int = 0,
                  fill: bool = False, group: int = 1, scale: float = 1.0, protected: int = 0):
@@ -539,8 +544,8 @@ class LevelSplit:
     def cost(self, n: int, fill: int = 0) -> int:
         return sum(cost(count) for cost, count in zip(self.costs, self.counts(n, fill)))
 
-    def _limit(self, seen: int, reserved: int) -> int:
-        return self.promise.limit(seen) - reserved - self.fixed
+    def _limit(self, seen: int, reserved: int, fixed: bool = True) -> int:
+        return self.promise.limit(seen) - reserved - (self.fixed if fixed else 0)
 
     def _slack_bytes(self, seen: int, limit: int) -> int:
         """Room for the tokens that arrive in full precision before the next assignment (net of the budget's growth
@@ -561,6 +566,8 @@ class LevelSplit:
         ``n - fill`` in the levels below, stay within the limit less the slack."""
         if not self.fill or self.budget is None or n <= 0:
             return 0
+        if self.alone(seen, reserved) is not None:
+            return n
         key = ("fill", seen, reserved, n)
         if key not in self._cache:
             whole = self._limit(seen, reserved)
@@ -591,10 +598,29 @@ class LevelSplit:
             self._cache.clear()
         self._cache[key] = value
 
+    def alone(self, seen: int, reserved: int = 0) -> int | None:
+        """The tokens the fill tier keeps by itself, without the ``fixed`` bytes (within the limit less the
+        arrivals' room, at most ``seen``), when that is at least what coding keeps; None: code (or no fill tier, no
+        fixed bytes, no budget)."""
+        if not (self.fill and self.fixed and self.budget is not None):
+            return None
+        key = ("alone", seen, reserved)
+        if key not in self._cache:
+            whole = self._limit(seen, reserved, fixed=False)
+            top = seen if self.budget.tokens is None else min(seen, self.budget.tokens)
+            kept = _most(self.costs[0], whole - self._slack_bytes(seen, whole), top) if whole > 0 else 0
+            self._remember(key, kept if kept >= min(self.coded_cap(seen, reserved), seen) else None)
+        return self._cache[key]
+
     def cap(self, seen: int, reserved: int = 0) -> int | None:
         """The kept count N after ``seen`` tokens (None without a budget: keep every held token)."""
         if self.budget is None:
             return None
+        alone = self.alone(seen, reserved)
+        return self.coded_cap(seen, reserved) if alone is None else alone
+
+    def coded_cap(self, seen: int, reserved: int) -> int:
+        """N with the quantized levels (and their fixed bytes) in use."""
         key = (seen, reserved)
         if key not in self._cache:
             # the codec's tensors are reserved whatever N: until the limit exceeds them nothing is kept (N = 0, so
@@ -730,6 +756,10 @@ class QuantizedPruneStage(Stage):
                     layer.demote(tier, tier.token_data[LEVEL_RECORD] == index, dst)
         for tier in own:
             tier.token_data.pop(LEVEL_RECORD, None)
+        quantized = [t for t in levels if t is not layer.full]
+        if not any(t.num_tokens for t in quantized):  # nothing coded: the codec's tensors go (``LevelSplit.alone``)
+            for tier in quantized:
+                tier.release()
         if layer.full.num_tokens:  # moves made per head leave empty slots in rows that received fewer tokens
             layer.retain(layer.full, layer.full.valid(), absorb=False)
 
