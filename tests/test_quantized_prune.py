@@ -625,6 +625,19 @@ def test_with_a_fill_tier_the_tokens_the_matrix_would_cost_are_kept_at_16_bits_a
     assert layer.tiers[1].num_tokens == 0 and layer.tiers[1].codec.rotation is None and layer.memory_bytes() == 0
 
 
+def test_transform_budget_keeps_short_prompts_at_16_bits_alone_until_coding_keeps_as_many():
+    """docs/budgets.md ("Fixed bytes only while something is coded"): under a quarter of SmolLM2's bf16 cache
+    ``transform-budget`` keeps a 74-token prompt's 16 best tokens at 16 bits with no coder, where coding beside the
+    coders' 11,136 bytes would keep 3; from 89 tokens on it codes, at every length to 2K."""
+    shape = smollm2_shape()
+    spec = kvstack.StackSpec.load("transform-budget")
+    split = spec.stages[0].level_split(shape, torch.bfloat16, spec.budget, None, 0)
+    assert split.fixed == 11136
+    assert split.cap(74) == split.alone(74) == 16 and split.coded_cap(74, 0) == 3
+    assert all(split.alone(n) is not None for n in range(4, 89))
+    assert all(split.alone(n) is None and split.cap(n) == split.coded_cap(n, 0) for n in range(89, 2048))
+
+
 @pytest.mark.parametrize(("preset", "sinks_from", "every_token_from"),
                          [("kivi-3-budget", 17, 551), ("transform-budget", 22, 966)])
 def test_the_budget_presets_keep_every_token_from_the_documented_length_with_the_sinks_at_16_bits(
