@@ -606,7 +606,6 @@ def test_a_random_rotation_comes_out_of_the_budget_before_any_token():
     assert held > 0.2 * cache.full_bytes()
 
 
-
 def test_with_a_fill_tier_the_tokens_the_matrix_would_cost_are_kept_at_16_bits_and_the_matrix_goes_with_the_codes():
     """The same budget with a 16-bit fill tier: at 40 tokens the layer keeps 16-bit tokens alone in the bytes the
     matrix would take (``LevelSplit.alone``), drawing none; at 256 tokens it codes, with the matrix; and when

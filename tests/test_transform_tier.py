@@ -447,9 +447,9 @@ def test_the_sinks_keep_the_fill_tier_when_the_levels_below_could_take_every_byt
 def test_a_layer_whose_share_barely_pays_its_coders_keeps_16_bit_tokens_alone_until_coding_keeps_more():
     """Under ``ratio: 0.25`` of a 40-token prompt a layer's limit is little more than its coders' bytes: coding would
     keep 2 tokens, the fill tier alone (no coder held) keeps 9 at 16 bits, the sinks first. Decoding on, the stack
-    codes from the step where that keeps more (51 tokens on), fitting the coders then; the budget
-    holds at every step. When the levels below empty again (``keep_at_most`` to the sinks), the coders go with their
-    last token, and the next token fits them afresh."""
+    codes from the step where coding keeps more (51 tokens on), fitting the coders then; the budget holds at every
+    step. When the levels below empty again (``keep_at_most`` to the sinks), the coders go with their last token,
+    and the next token fits them afresh."""
     model = tiny_model("llama", head_dim=16)
     spec = pruned(3, bits=3, n_sink=4, scale_dtype="float16", every=1)
     spec["stages"][0]["tiers"][0] = {"fill": True, "bits": 16}
