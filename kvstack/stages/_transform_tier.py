@@ -44,8 +44,8 @@ What the tier holds (counted): ``key_codes`` uint8 [B, 1, T, bytes], with ``key_
 ``value_scale`` / ``value_zero`` [B, Hkv, T, ...] (transform-coded: ``value_codes`` uint8 [B, 1, T, bytes] alone),
 ``positions`` int32 [B, 1, T], per-token records, and per layer each coder's ``order`` (int16 [C]), ``offsets``
 (int32 [C]), ``center`` (float32 [C]) and ``levels`` (a fixed number, :func:`coder_levels`: float16 in 16-bit models,
-float32 in float32 ones), plus a ``random`` rotation's matrix. The
-bases are the model's, not the cache's: float32 [C, C] per layer each, computed once per model (from its weights, or
+float32 in float32 ones), plus a ``random`` rotation's matrix (``quantized_prune`` releases the coders, reflectors
+and matrix when its levels of the layer empty: :meth:`TransformCodedTier.release`). The bases are the model's, not the cache's: float32 [C, C] per layer each, computed once per model (from its weights, or
 when the stack is applied) and shared by every cache of the model like the weights, so they are not counted
 (SmolLM2: 30 x 192 x 192 x 4 bytes = 4.4 MB per basis, against 270 MB of bf16 weights). Every part is per token:
 removing tokens moves codes, nothing is re-coded, no slot is wasted.
@@ -306,21 +306,25 @@ class TransformCodedTier(ExactTier):
                  value_bits: float | None = None, value_basis: torch.Tensor | None = None, prompt_axes: int = 0):
         self.name, self.label = name, label
         self.prompt_axes = prompt_axes
-        self.axes: torch.Tensor | None = None  # [C, prompt_axes] reflectors in the model dtype, from the first fit
         self.token_scale = token_scale
-        self.key_mean: torch.Tensor | None = None  # [C] float32, token_scale only
-        self.key_rms: torch.Tensor | None = None  # [1] float32, token_scale only
         self.key_bits, self.bits, self.value_group, self.dtype = key_bits, bits, value_group, dtype
         self.basis, self.codec = basis, codec
         self.value_bits, self.value_basis = value_bits, value_basis
         self.values_coded = value_basis is not None
         self.levels = codec.levels if bits <= 4 else "uniform"  # an 8-bit level stays uniform
         self.holds_codec_tensors = holds_codec_tensors
-        self.key_code: ComponentCode | None = None
-        self.value_code: ComponentCode | None = None
-        self.fitted_on = 0
         self.heads: int | None = None
         self.token_data = {}
+        self._empty()
+
+    def _empty(self) -> None:
+        """No token, no coder: what the first token fits."""
+        self.key_code: ComponentCode | None = None
+        self.value_code: ComponentCode | None = None
+        self.axes: torch.Tensor | None = None  # [C, prompt_axes] reflectors in the model dtype, from the first fit
+        self.key_mean: torch.Tensor | None = None  # [C] float32, token_scale only
+        self.key_rms: torch.Tensor | None = None  # [1] float32, token_scale only
+        self.fitted_on = 0
         for n in self._tensor_names:
             setattr(self, n, None)
 
@@ -334,10 +338,7 @@ class TransformCodedTier(ExactTier):
     def release(self) -> None:
         """Called when this tier and its stage's other levels hold no token: the coders, the prompt axes and the
         codec's tensors go (the next token fits them afresh)."""
-        self.key_code = self.value_code = self.axes = self.key_mean = self.key_rms = None
-        self.fitted_on = 0
-        for n in self._tensor_names:
-            setattr(self, n, None)
+        self._empty()
         if self.holds_codec_tensors:
             self.codec.release()
 

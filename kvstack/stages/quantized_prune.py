@@ -544,8 +544,8 @@ class LevelSplit:
     def cost(self, n: int, fill: int = 0) -> int:
         return sum(cost(count) for cost, count in zip(self.costs, self.counts(n, fill)))
 
-    def _limit(self, seen: int, reserved: int, fixed: bool = True) -> int:
-        return self.promise.limit(seen) - reserved - (self.fixed if fixed else 0)
+    def _limit(self, seen: int, reserved: int) -> int:
+        return self.promise.limit(seen) - reserved - self.fixed
 
     def _slack_bytes(self, seen: int, limit: int) -> int:
         """Room for the tokens that arrive in full precision before the next assignment (net of the budget's growth
@@ -606,7 +606,7 @@ class LevelSplit:
             return None
         key = ("alone", seen, reserved)
         if key not in self._cache:
-            whole = self._limit(seen, reserved, fixed=False)
+            whole = self.promise.limit(seen) - reserved  # no fixed bytes
             top = seen if self.budget.tokens is None else min(seen, self.budget.tokens)
             kept = _most(self.costs[0], whole - self._slack_bytes(seen, whole), top) if whole > 0 else 0
             self._remember(key, kept if kept >= min(self.coded_cap(seen, reserved), seen) else None)
