@@ -161,6 +161,8 @@ def quantized_prune_options(draw):
         key_scale = draw(st.sampled_from(["none", "token"]))
         stage.update(coding="transform", key_rope="pre", head_wise=False, key_scale=key_scale,
                      prompt_axes=draw(st.sampled_from([0, 8, 16])))  # C >= 16: the prompt's axes cost bytes too
+        if draw(st.booleans()):  # and per layer
+            stage["layer_prompt_axes"] = {draw(st.integers(0, 1)): draw(st.sampled_from([0, 8, 16]))}
     # transform-coded widths are averages: halves fill whole bytes for every head_dim drawn (C = 2 x head_dim >= 16)
     key_widths = st.sampled_from([0.5, 1, 1.5, 2, 2.5, 3, 4, 5.5, 8]) if transform else st.sampled_from([2, 3, 4, 8])
     if draw(st.booleans()):  # keys at other bits than the values on the last level

@@ -246,6 +246,57 @@ def test_prompt_axes_are_refused_beyond_the_key_components_and_inactive_without_
         kvstack.StackSpec.load(stage(bits=2, prompt_axes=-1))
 
 
+def qp_axes(ratio=0.25, **options) -> dict:
+    """A budgeted transform-coded quantized_prune stack (a 16-bit fill tier over 3-bit codes)."""
+    return {"name": "qp-axes", "budget": {"ratio": ratio}, "stages": [{
+        "kind": "quantized_prune", "scorer": "window", "head_wise": False, "n_sink": 4, "coding": "transform",
+        "key_rope": "pre", "value_group_size": "head_dim",
+        "tiers": [{"fill": True, "bits": 16}, {"rest": True, "bits": 3}], **options}]}
+
+
+def test_layer_prompt_axes_hold_reflectors_only_in_the_layers_listed_within_each_layers_limit():
+    """``layer_prompt_axes: {1: 4}`` (``prompt_axes`` 0 elsewhere): after a prompt and decode steps, layer 1's coded
+    tier holds 4 reflectors of C numbers and layer 0's none; the plan charges them to layer 1 alone; every layer keeps
+    its limit and the cache the budget."""
+    model = tiny_model("llama", head_dim=16)
+    ids = torch.randint(3, 128, (1, 208), generator=torch.Generator().manual_seed(7))
+    spec = kvstack.StackSpec.load(qp_axes(layer_prompt_axes={1: 4}))
+    cache, _ = run(model, spec, ids, 200)
+    c = model.config.num_key_value_heads * model.config.head_dim
+    assert tier_of(cache, 0).num_tokens > 0 and tier_of(cache, 0).axes is None  # coded, without reflectors
+    assert tuple(tier_of(cache, 1).axes.shape) == (c, 4)
+    stage, shape = spec.stages[0], ModelShape.from_config(model.config)
+    item = torch.empty((), dtype=shape.dtype).element_size()
+    assert stage.fixed_bytes(shape, layer_idx=1) - stage.fixed_bytes(shape, layer_idx=0) == 4 * c * item
+    for layer in cache.layers:
+        assert layer.memory_bytes() <= layer.limit_bytes()
+    assert cache.memory_bytes() <= 0.25 * kvstack.full_cache_bytes(model.config, 208)
+
+
+def test_layer_prompt_axes_override_prompt_axes_per_layer():
+    """``prompt_axes: 4`` with ``layer_prompt_axes: {0: 0}`` is the mirror image: reflectors in layer 1 only."""
+    model = tiny_model("llama", head_dim=16)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(8))
+    cache, _ = run(model, qp_axes(prompt_axes=4, layer_prompt_axes={0: 0}), ids, 200)
+    assert tier_of(cache, 0).axes is None and tier_of(cache, 1).axes.shape[1] == 4
+
+
+def test_layer_prompt_axes_are_refused_by_name():
+    model = tiny_model("llama", head_dim=16)
+    c = model.config.num_key_value_heads * model.config.head_dim
+    layers = model.config.num_hidden_layers
+    with pytest.raises(SpecError, match=r"layer_prompt_axes=\{0: 4\} is not allowed: none with coding: kivi"):
+        kvstack.StackSpec.load(qp_axes(coding="kivi", key_rope="post", layer_prompt_axes={0: 4}))
+    past = rf"layer_prompt_axes=\{{{layers}: 4\}} is not allowed: layer indices 0\.\.{layers - 1}"
+    with pytest.raises(SpecError, match=past):
+        kvstack.apply(model, qp_axes(layer_prompt_axes={layers: 4}))
+    with pytest.raises(SpecError, match=rf"is not allowed: axes 0 to num_kv_heads x head_dim = {c}"):
+        kvstack.apply(model, qp_axes(layer_prompt_axes={0: c + 1}))
+    with pytest.raises(SpecError, match="layer_prompt_axes"):
+        kvstack.StackSpec.load(qp_axes(layer_prompt_axes={0: -1}))
+    assert "layer_prompt_axes:" in kvstack.StackSpec.load(qp_axes(layer_prompt_axes={0: 4})).to_yaml()
+
+
 # ------------------------------------------------------------------------------------------------ key_scale
 def _loud_and_quiet_tier(key_scale: str, scale_dtype: str = "model", dtype=torch.float32):
     """A tier fed 256 tokens whose pre-RoPE keys are Gaussian times a per-token gain from 1/30 to 30 (log-uniform): a

@@ -29,6 +29,8 @@ among 3-bit ones may hold more bytes, the others less; the shares sum to the num
 budget's). ``key_bits`` on a quantized tier stores its keys at other bits than its values, and ``layer_key_bits:
 {layer index: bits}`` does so for the one quantized level in the layers listed (after ``layer_bits``; shares as
 above): on SmolLM2 the keys' 3-bit error, not the values', carries most of the KL, and it sits in a few layers.
+``layer_prompt_axes: {layer index: axes}`` sets ``prompt_axes`` in the layers listed, so that the reflectors' fixed
+bytes are spent where the keys' precision pays for them (e.g. only in the layers that retrieve).
 ``layer_weights: {layer index: weight}`` moves budget between layers on top of that (a listed layer gets weight x an
 unlisted one's share; the total stays the budget's): on SmolLM2 a third of the layers retrieve the needle, and with
 the whole context at 4 bits in them an eighth of the cache finds most needles (docs/budgets.md). With
@@ -60,7 +62,7 @@ import math
 from typing import Annotated, Callable, Literal
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 from kvstack.kernels.quant_pack import PACK_UNIT
 from kvstack.kernels.transform_code import MAX_BITS
@@ -195,9 +197,16 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         description="{layer index: bits}: the keys' bits of the quantized level in those layers (after layer_bits; "
         "the values keep theirs; widths as for tiers' key_bits). Shares as for layer_bits.",
     )
+    layer_prompt_axes: dict[int, NonNegativeInt] | None = Field(
+        default=None,
+        description="coding: transform — {layer index: axes}: prompt_axes in those layers (the other layers keep "
+        "prompt_axes), so the reflectors' fixed bytes go where the keys' precision pays for them. Shares do not "
+        "change; a layer's limit holds its own reflectors.",
+    )
 
     def inactive_options(self) -> set[str]:
-        return super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
+        inactive = super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
+        return inactive | {"layer_prompt_axes"} if "prompt_axes" in inactive else inactive
 
     @property
     def modifies_model(self) -> bool:  # type: ignore[override]
@@ -234,6 +243,10 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         if not update:
             return levels
         return [level if level.bits == 16 else level.model_copy(update=update) for level in levels]
+
+    def axes_in(self, layer_idx: int | None) -> int:
+        """The prompt axes of layer ``layer_idx`` (``layer_prompt_axes``, else ``prompt_axes``)."""
+        return (self.layer_prompt_axes or {}).get(layer_idx, self.prompt_axes)
 
     def bit_widths(self) -> tuple[set[int], set[int]]:
         """(the keys' widths, the values' widths) of the quantized levels in any layer."""
@@ -289,6 +302,12 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                 )
             if min(per_layer) < 0:
                 raise spec_error(name, per_layer, "layer indices from 0")
+        if self.layer_prompt_axes:
+            if not self.transform_coded:
+                raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
+                                 f"none with coding: {self.coding} (prompt axes lead a transform-coded key basis)")
+            if min(self.layer_prompt_axes) < 0:
+                raise spec_error("layer_prompt_axes", self.layer_prompt_axes, "layer indices from 0")
         value_group = self.value_group_size
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
@@ -347,6 +366,11 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                     )
         for name, per_layer in self._per_layer().items():
             check_layer_indices(name, per_layer, shape)
+        check_layer_indices("layer_prompt_axes", self.layer_prompt_axes, shape)
+        components = shape.num_kv_heads * shape.head_dim
+        if self.layer_prompt_axes and max(self.layer_prompt_axes.values()) > components:
+            raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
+                             f"axes 0 to num_kv_heads x head_dim = {components} for this model")
         self.check_layer_weights(shape)
 
     # --------------------------------------------------------------------------------------- sizing
@@ -367,7 +391,7 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         coders = 0
         if self.transform_coded:
             coders = sum(coder_bytes(shape, level.keys, dtype or shape.dtype, self.key_scale,
-                                     self.coded_value_bits(level), self.prompt_axes)
+                                     self.coded_value_bits(level), self.axes_in(layer_idx))
                          for level in self.levels(layer_idx) if level.bits != 16)
         return QuantOptions.fixed_bytes(self, shape) + coders
 
@@ -685,10 +709,10 @@ class QuantizedPruneStage(Stage):
         self._splits: dict[tuple, LevelSplit] = {}
 
     def split_for(self, layer) -> LevelSplit:
-        # once per dtype held (a model cast after apply holds another dtype), per layer bits and per layer weight
+        # once per dtype held (a model cast after apply holds another dtype), per layer bits, weight and axes
         i, spec = layer.layer_idx, self.spec
         key = (layer.full.keys.dtype, (spec.layer_bits or {}).get(i), (spec.layer_key_bits or {}).get(i),
-               (spec.layer_weights or {}).get(i))
+               (spec.layer_weights or {}).get(i), spec.axes_in(i))
         if key not in self._splits:
             self._splits[key] = self.spec.level_split(
                 self.shape, key[0], self.stack_budget, layer.reference, layer.layer_idx
@@ -708,7 +732,7 @@ class QuantizedPruneStage(Stage):
                 tier = transform_tier(self.shape, layer.layer_idx, level.keys, level.bits, self.value_group, label,
                                       level.tier_name, codec, holder, basis=self.spec.key_basis,
                                       key_scale=self.spec.key_scale, value_bits=self.spec.coded_value_bits(level),
-                                      prompt_axes=self.spec.prompt_axes)
+                                      prompt_axes=self.spec.axes_in(layer.layer_idx))
             else:
                 tier = QuantizedTier(
                     level.bits, self.spec.group_size, self.value_group, self.shape.dtype, label=label,
