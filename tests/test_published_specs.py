@@ -3,6 +3,7 @@ its budget there, so the commands beside the figures rerun as written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,12 @@ def test_published_spec_loads_validates_and_keeps_its_budget(path):
     shape = smollm2_shape()
     spec.validate_for(shape)
     check_budget(spec, shape, torch.bfloat16)
+
+
+def test_every_spec_the_docs_name_is_published():
+    """The docs' commands name specs as ``$S/<name>.yaml`` (``S=docs/results/smollm2/specs``); each must exist, or a
+    command beside a figure cannot be rerun."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    named = {m for page in docs.glob("*.md") for m in re.findall(r"\$S/([\w.-]+\.yaml)", page.read_text())}
+    assert len(named) > 10
+    assert sorted(named - {path.name for path in SPECS}) == []
