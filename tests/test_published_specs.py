@@ -30,9 +30,10 @@ def test_published_spec_loads_validates_and_keeps_its_budget(path):
 
 
 def test_every_spec_the_docs_name_is_published():
-    """The docs' commands name specs as ``$S/<name>.yaml`` (``S=docs/results/smollm2/specs``); each must exist, or a
-    command beside a figure cannot be rerun."""
-    docs = Path(__file__).resolve().parents[1] / "docs"
-    named = {m for page in docs.glob("*.md") for m in re.findall(r"\$S/([\w.-]+\.yaml)", page.read_text())}
+    """The docs name specs as ``$S/<name>.yaml`` in commands (``S=docs/results/smollm2/specs``) or by their path; each
+    must exist, or a command beside a figure cannot be rerun."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(root / "docs").glob("*.md")]
+    named = {m for page in pages for m in re.findall(r"(?:\$S|smollm2/specs)/([\w.-]+\.yaml)", page.read_text())}
     assert len(named) > 10
     assert sorted(named - {path.name for path in SPECS}) == []
