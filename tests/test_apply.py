@@ -22,9 +22,11 @@ def test_generate_uses_a_fresh_stack_cache_without_arguments(monkeypatch):
 
     monkeypatch.setattr(KVStackCache, "__init__", spy)
     kvstack.apply(model, "streaming")
-    ids = torch.randint(3, 128, (1, 5))
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    # min_new_tokens: the random model's greedy choice is sometimes EOS, which would stop generate early
+    kwargs = dict(attention_mask=torch.ones_like(ids), min_new_tokens=3, max_new_tokens=3, do_sample=False)
+    model.generate(ids, **kwargs)
+    model.generate(ids, **kwargs)
     assert len(created) == 2 and created[0] is not created[1]
     assert created[0].get_seq_length() == 7
     kvstack.remove(model)
