@@ -290,10 +290,14 @@ def test_layer_prompt_axes_are_refused_by_name():
     past = rf"layer_prompt_axes=\{{{layers}: 4\}} is not allowed: layer indices 0\.\.{layers - 1}"
     with pytest.raises(SpecError, match=past):
         kvstack.apply(model, qp_axes(layer_prompt_axes={layers: 4}))
-    with pytest.raises(SpecError, match=rf"is not allowed: axes 0 to num_kv_heads x head_dim = {c}"):
+    too_many = rf"layer_prompt_axes=\{{0: {c + 1}\}} is not allowed: 0 to num_kv_heads x head_dim = {c} for this"
+    with pytest.raises(SpecError, match=too_many):
         kvstack.apply(model, qp_axes(layer_prompt_axes={0: c + 1}))
     with pytest.raises(SpecError, match="layer_prompt_axes"):
         kvstack.StackSpec.load(qp_axes(layer_prompt_axes={0: -1}))
+    with pytest.raises(SpecError, match=r"layer_prompt_axes=\{-1: 4\} is not allowed: layer indices from 0"):
+        kvstack.StackSpec.load(qp_axes(layer_prompt_axes={-1: 4}))
+    assert getattr(model, "_kvstack_applied", None) is None  # each refusal left the model as it was
     assert "layer_prompt_axes:" in kvstack.StackSpec.load(qp_axes(layer_prompt_axes={0: 4})).to_yaml()
 
 

@@ -202,6 +202,11 @@ class QuantOptions(BaseModel):
                 "next to lower ones stays uniform)",
             )
 
+    def prompt_axes_fields(self) -> dict[str, tuple[object, int]]:
+        """Every field that asks for prompt axes: {name: (its value, the most axes it asks for)}. A stage with axes
+        per layer adds its field, so one check holds them all to the model."""
+        return {"prompt_axes": (self.prompt_axes, self.prompt_axes)}
+
     def check_quant_options_for(self, shape, bits: list[int]) -> None:
         """Checks against the model (only when some level is quantized)."""
         if all(b == 16 for b in bits):
@@ -209,11 +214,12 @@ class QuantOptions(BaseModel):
         if self.transform_coded:
             check_transform_shape(shape)
             components = shape.num_kv_heads * shape.head_dim
-            if self.prompt_axes > components:
-                raise spec_error(
-                    "prompt_axes", self.prompt_axes,
-                    f"0 to num_kv_heads x head_dim = {components} for this model (one axis per key component)",
-                )
+            for name, (value, most) in self.prompt_axes_fields().items():
+                if most > components:
+                    raise spec_error(
+                        name, value,
+                        f"0 to num_kv_heads x head_dim = {components} for this model (one axis per key component)",
+                    )
         if self.values_coded and (shape.num_kv_heads * shape.value_dim) % BLOCK:
             raise spec_error(
                 "value_coding", "transform",

@@ -264,6 +264,17 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         """The per-layer bit fields that are set: {field name: {layer: bits}}."""
         return {n: v for n, v in (("layer_bits", self.layer_bits), ("layer_key_bits", self.layer_key_bits)) if v}
 
+    def _by_layer(self) -> dict[str, dict[int, int]]:
+        """Every per-layer field that is set (bits and prompt axes): {field name: {layer: value}}."""
+        axes = {"layer_prompt_axes": self.layer_prompt_axes} if self.layer_prompt_axes else {}
+        return self._per_layer() | axes
+
+    def prompt_axes_fields(self) -> dict[str, tuple[object, int]]:
+        fields = super().prompt_axes_fields()
+        if self.layer_prompt_axes:
+            fields["layer_prompt_axes"] = (self.layer_prompt_axes, max(self.layer_prompt_axes.values()))
+        return fields
+
     def validate_with(self, stack_budget) -> None:
         if (self.tiers is None) == (self.bits is None):
             raise spec_error("tiers", self.tiers, "exactly one of 'tiers' (a list) or 'bits' (the short form)")
@@ -300,14 +311,12 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                     f"none with {len(quantized)} quantized levels (tiers bits {quantized}): per-layer bits replace "
                     "the bits of a stage's one quantized level",
                 )
+        if self.layer_prompt_axes and not self.transform_coded:
+            raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
+                             f"none with coding: {self.coding} (prompt axes lead a transform-coded key basis)")
+        for name, per_layer in self._by_layer().items():
             if min(per_layer) < 0:
                 raise spec_error(name, per_layer, "layer indices from 0")
-        if self.layer_prompt_axes:
-            if not self.transform_coded:
-                raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
-                                 f"none with coding: {self.coding} (prompt axes lead a transform-coded key basis)")
-            if min(self.layer_prompt_axes) < 0:
-                raise spec_error("layer_prompt_axes", self.layer_prompt_axes, "layer indices from 0")
         value_group = self.value_group_size
         if isinstance(value_group, int) and value_group < 1:
             raise spec_error("value_group_size", value_group, "a positive int or 'head_dim'")
@@ -364,13 +373,8 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                         f"value_dim), are a multiple of 8 on this model: "
                         f"{', '.join(f'{_key_width(k)}' for k in steps[:6])}, ...",
                     )
-        for name, per_layer in self._per_layer().items():
+        for name, per_layer in self._by_layer().items():
             check_layer_indices(name, per_layer, shape)
-        check_layer_indices("layer_prompt_axes", self.layer_prompt_axes, shape)
-        components = shape.num_kv_heads * shape.head_dim
-        if self.layer_prompt_axes and max(self.layer_prompt_axes.values()) > components:
-            raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
-                             f"axes 0 to num_kv_heads x head_dim = {components} for this model")
         self.check_layer_weights(shape)
 
     # --------------------------------------------------------------------------------------- sizing
