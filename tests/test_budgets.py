@@ -178,6 +178,8 @@ def quantized_prune_options(draw):
     if draw(st.booleans()):
         stage["layer_weights"] = {draw(st.integers(0, 1)): draw(WEIGHTS)}
     stage["spill_unused"] = draw(st.booleans())
+    if stage["spill_unused"] and tiers[0].get("fill") and draw(st.booleans()):  # a 16-bit core before spilling
+        stage["spill_full_tokens"] = draw(st.integers(0, 64))
     if draw(st.booleans()):
         budget = {"ratio": draw(st.sampled_from([0.5, 0.25, 0.125, 0.0625]))}
     else:

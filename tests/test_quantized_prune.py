@@ -325,6 +325,33 @@ def test_spill_unused_keeps_the_weighted_layer_whole_and_gives_the_rest_to_the_o
             assert 2 * cache.layers[0].limit_bytes() + need(seen) == pytest.approx(0.375 * mean, abs=3)
 
 
+def test_spill_full_tokens_keeps_that_many_at_16_bits_in_a_layer_that_keeps_every_token():
+    """``spill_full_tokens: 16`` on top of the previous test's stack: layer 1 still keeps every token, 16 of them
+    (plus the arrivals' room, under one period) at 16 bits where its weighted share holds 43; its limit is what that
+    costs, and layers 0 and 2 get the rest: more than without spilling, less than with plain ``spill_unused`` (which
+    leaves layer 1 its 2 sinks at 16 bits). The whole cache keeps the budget."""
+    model = tiny_model("llama", head_dim=16, num_hidden_layers=3)
+
+    def run(**shares):
+        spec = kvstack.StackSpec.load(stack(
+            stack_budget={"ratio": 0.125}, scorer="window", n_sink=2, group_size=8, value_group_size="head_dim",
+            scale_dtype="float8_e4m3fn", tiers=FILL_3, layer_weights={1: 8}, **shares,
+        ))
+        with kvstack.applied(model, spec):
+            cache = next(drive(model, None, prefill=300))
+            assert cache.memory_bytes() <= 0.125 * cache.full_bytes()  # the promise, for the whole cache
+            need = spec.stages[0].layer_need(1, kvstack.ModelShape.from_model(model), torch.float32, spec.budget, None)
+            return [counts(layer) for layer in cache.layers], [layer.limit_bytes() for layer in cache.layers], need(300)
+
+    kept, limits, need = run(spill_unused=True, spill_full_tokens=16)
+    assert sum(kept[1].values()) == 300 and 16 <= kept[1]["full"] < 16 + 8
+    assert limits[1] == pytest.approx(need, abs=1)
+    weighted, weighted_limits, _ = run()
+    assert weighted[1]["full"] > 2 * kept[1]["full"]  # the share that spilled
+    _, plain_limits, _ = run(spill_unused=True)
+    assert weighted_limits[0] < limits[0] == limits[2] < plain_limits[0]
+
+
 def test_layer_weights_compose_with_layer_bits():
     """Shares follow the quantized token's cost times the weight, normalised to the layer count."""
     spec = QuantizedPruneSpec(scorer="window", group_size=8, tiers=FILL_3, layer_bits={2: 4}, layer_weights={0: 3})
@@ -388,6 +415,14 @@ def test_all_tokens_at_16_bits_is_the_identity():
          r"finite number"),
         ({"tiers": FILL_3, "group_size": 8, "layer_weights": {-1: 2}}, r"layer_weights.-1.\[key\]: Input should be "
          r"greater than or equal to 0"),
+        ({"tiers": FILL_3, "group_size": 8, "budget": {"ratio": 0.5}, "spill_full_tokens": 64},
+         r"spill_full_tokens=64 is not allowed: 0 unless spill_unused: true and the first tier has fill: true"),
+        ({"tiers": TIERS, "budget": {"ratio": 0.5}, "spill_unused": True, "spill_full_tokens": 64},
+         r"spill_full_tokens=64 is not allowed: 0 unless spill_unused: true and the first tier has fill: true"),
+        ({"tiers": FILL_3, "group_size": 8, "budget": {"ratio": 0.5}, "spill_unused": True, "spill_full_tokens": 64},
+         None),
+        ({"tiers": FILL_3, "group_size": 8, "spill_full_tokens": -1}, r"spill_full_tokens: Input should be greater "
+         r"than or equal to 0"),
     ],
 )
 def test_invalid_specs_are_rejected_clearly(stage, message):

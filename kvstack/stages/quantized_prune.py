@@ -35,7 +35,9 @@ bytes are spent where the keys' precision pays for them (e.g. only in the layers
 unlisted one's share; the total stays the budget's): on SmolLM2 a third of the layers retrieve the needle, and with
 the whole context at 4 bits in them an eighth of the cache finds most needles (docs/budgets.md). With
 ``spill_unused: true`` no layer's share exceeds what it can use after the tokens seen (``layer_need``: every one kept,
-the protected ones at 16 bits), and the rest goes to the other layers (``budget.SpilledShares``).
+the protected ones at 16 bits, or the ``spill_full_tokens`` best-ranked ones in the fill tier if more), and the rest
+goes to the other layers (``budget.SpilledShares``): a layer that retrieves keeps every token coded and a 16-bit
+core of fixed size, and what its share adds as the context grows goes to the others.
 
 Budgets are promises (docs/budgets.md) and are met by choosing ``N`` in bytes: the largest ``N`` whose levels — each
 quantized level in whole key groups (``group_size`` slots: codes — 3 bits pack 8 codes in 3 bytes —, scales and zero
@@ -204,6 +206,13 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         "change; a layer's limit holds its own reflectors.",
     )
 
+    spill_full_tokens: NonNegativeInt = Field(
+        default=0,
+        description="spill_unused with a fill tier: what a layer can use counts this many of its best-ranked tokens "
+        "in the fill tier (not only the protected ones), so a layer that keeps every token holds that many at the "
+        "fill tier's precision and, as the context grows, spills the rest of its share to the other layers.",
+    )
+
     def inactive_options(self) -> set[str]:
         inactive = super().inactive_options() | self.quant_option_fields_inactive(self.quantized_bits())
         return inactive | {"layer_prompt_axes"} if "prompt_axes" in inactive else inactive
@@ -311,6 +320,12 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                     f"none with {len(quantized)} quantized levels (tiers bits {quantized}): per-layer bits replace "
                     "the bits of a stage's one quantized level",
                 )
+        if self.spill_full_tokens and not (self.spill_unused and self.tiers and self.tiers[0].fill):
+            raise spec_error(
+                "spill_full_tokens", self.spill_full_tokens,
+                "0 unless spill_unused: true and the first tier has fill: true (it sizes the 16-bit tokens a layer "
+                "can use before its share spills)",
+            )
         if self.layer_prompt_axes and not self.transform_coded:
             raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
                              f"none with coding: {self.coding} (prompt axes lead a transform-coded key basis)")
@@ -466,9 +481,10 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         )
 
     def layer_need(self, layer_idx, shape, dtype, budget, reference) -> Callable[[int], int]:
-        """``spill_unused``: every token seen kept in the levels (the protected ones at 16 bits), the codec's tensors
-        and the arrivals before the next assignment."""
-        return self.level_split(shape, dtype, budget, reference, layer_idx, share=1.0).need
+        """``spill_unused``: every token seen kept in the levels (the protected ones, or ``spill_full_tokens`` if
+        more, in the fill tier), the codec's tensors and the arrivals before the next assignment."""
+        split = self.level_split(shape, dtype, budget, reference, layer_idx, share=1.0)
+        return lambda seen: split.need(seen, self.spill_full_tokens)
 
     def protected_recent(self, shape) -> int:
         """Newest positions always in the top tier: ``recent``, or the scorer's own window when it is larger."""
@@ -582,12 +598,13 @@ class LevelSplit:
         growth = 0 if self.budget.ratio is None else self.promise.share(seen) * self.budget.ratio * self.reference
         return min(math.ceil(self.slack * max(self.full - growth, 0)), limit // 4)
 
-    def need(self, seen: int) -> int:
-        """Bytes per row that keep all ``seen`` tokens (the protected ones at the fill tier's precision), the fixed
-        bytes and the arrivals before the next assignment (at full precision: an upper bound, a few tokens' worth
-        over what the fill tier leaves them): what this layer can use (``spill_unused``). A low-rank state is not
-        counted; a layer holding one keeps that much less."""
-        return self.fixed + self.cost(seen, min(self.protected, seen)) + self.slack * self.full
+    def need(self, seen: int, full: int = 0) -> int:
+        """Bytes per row that keep all ``seen`` tokens (the protected ones, or ``full`` if more, at the fill tier's
+        precision), the fixed bytes and the arrivals before the next assignment (at full precision: an upper bound, a
+        few tokens' worth over what the fill tier leaves them): what this layer can use (``spill_unused``). A
+        low-rank state is not counted; a layer holding one keeps that much less."""
+        top = min(max(self.protected, full if self.fill else 0), seen)
+        return self.fixed + self.cost(seen, top) + self.slack * self.full
 
     def fill_count(self, seen: int, reserved: int, n: int) -> int:
         """Tokens of the fill tier among ``n`` kept ones (0 without a fill tier): the most whose bytes, with the other
