@@ -323,8 +323,8 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         if self.spill_full_tokens and not (self.spill_unused and self.tiers and self.tiers[0].fill):
             raise spec_error(
                 "spill_full_tokens", self.spill_full_tokens,
-                "0 unless spill_unused: true and the first tier has fill: true (it sizes the 16-bit tokens a layer "
-                "can use before its share spills)",
+                "0 unless spill_unused: true and the first tier has fill: true (it counts fill-tier tokens in what "
+                "a layer can use before its share spills)",
             )
         if self.layer_prompt_axes and not self.transform_coded:
             raise spec_error("layer_prompt_axes", self.layer_prompt_axes,
