@@ -1,4 +1,5 @@
-"""``kvstack`` command line (typer): inspect presets and specs, generate with a stack, benchmark, calibrate."""
+"""``kvstack`` command line (typer): inspect presets and specs, see where a stack's bytes go, generate with a stack,
+benchmark, calibrate."""
 
 from __future__ import annotations
 
@@ -347,6 +348,92 @@ def generate(
         f"memory: {report['total_bytes']:,} bytes held vs {report['full_cache_bytes']:,} for the full cache "
         f"at {report['tokens_seen']} tokens (ratio {report['ratio']:.3f})"
     )
+
+
+def _int_list(option: str, value: str, low: int, high: int | None = None) -> list[int]:
+    """A comma-separated list of integers in [low, high] for ``option``, or a clear error."""
+    try:
+        numbers = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        numbers = []
+    allowed = f"integers >= {low}" if high is None else f"integers from {low} to {high}"
+    if not numbers or any(n < low or (high is not None and n > high) for n in numbers):
+        _fail(f"{option} {value!r} is not allowed: comma-separated {allowed}")
+    return numbers
+
+
+@app.command()
+def memory(
+    stack: str = typer.Argument(..., help="Preset name or YAML file."),
+    model: str = typer.Option(..., help=MODEL_HELP),
+    tokens: str = typer.Option("1024", help="Prompt lengths, comma-separated: the cache is filled with each in turn."),
+    layers: Optional[str] = typer.Option(None, help="Layers to list, comma-separated (default: every layer)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Take each prompt from the start of this "
+                                               "UTF-8 text (default: random token ids drawn with --seed)."),
+    seed: int = typer.Option(0, min=0, help="Seed of the random prompt."),
+    dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP),
+    device: Device = typer.Option(Device.auto, case_sensitive=False, help=DEVICE_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the tables."),
+) -> None:
+    """Where a stack's bytes go: prefill a prompt of each length, then list every layer's tokens per tier, the bytes
+    it holds and the bytes its share of the budget allows (both as a fraction of the layer's uncompressed bytes),
+    and the cache's total against the full cache and the budget."""
+    import torch
+
+    import kvstack
+    from kvstack.stack.apply import cache_kwarg
+
+    lengths = _int_list("--tokens", tokens, 1)
+    spec = _load(stack)
+    where = _resolve_device(device)
+    if prompt_file is not None and not prompt_file.is_file():
+        _fail(f"--prompt-file {str(prompt_file)!r} is not a file")
+    _check_model_source(model)
+    lm, tokenizer = _load_model(model, dtype, where)
+    num_layers = lm.config.num_hidden_layers
+    shown = _int_list("--layers", layers, 0, num_layers - 1) if layers is not None else list(range(num_layers))
+    if prompt_file is not None:
+        try:
+            ids = tokenizer(prompt_file.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
+        except UnicodeDecodeError:
+            _fail(f"--prompt-file {str(prompt_file)!r} is not UTF-8 text")
+        if ids.shape[1] < max(lengths):
+            _fail(f"--prompt-file {str(prompt_file)!r} has {ids.shape[1]} tokens: --tokens asks for {max(lengths)}")
+    else:
+        ids = torch.randint(0, lm.config.vocab_size, (1, max(lengths)), generator=torch.Generator().manual_seed(seed))
+    try:
+        kvstack.apply(lm, spec)
+    except kvstack.KVStackError as err:
+        _fail(str(err))
+    runs = []
+    for n in lengths:
+        cache = kvstack.cache_for(lm)
+        with torch.inference_mode():
+            lm(ids[:, :n].to(where), **{cache_kwarg(lm): cache})
+        report = cache.memory_report()
+        full_layer = report["full_cache_bytes"] / num_layers
+        limits = report.get("limit_bytes_by_layer", [None] * num_layers)
+        rows = [{"layer": i, "tokens": report["tokens_by_layer"][i], "bytes": sum(report["by_layer"][i].values()),
+                 "bytes_by_tier": report["by_layer"][i], "limit_bytes": limits[i], "full_bytes": full_layer}
+                for i in shown]
+        runs.append({key: report.get(key) for key in ("tokens_seen", "total_bytes", "full_cache_bytes", "ratio",
+                                                      "budget", "budget_bytes")} | {"layers": rows})
+    dtype_name = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    if as_json:
+        typer.echo(json.dumps({"stack": spec.name, "model": model, "dtype": dtype_name, "runs": runs}))
+        return
+    typer.echo(f"{spec.name} on {model} ({dtype_name}, {num_layers} layers), budget: {runs[0]['budget'] or 'none'}")
+    for run in runs:
+        limit = f", budget {run['budget_bytes']:,}" if run["budget_bytes"] is not None else ""
+        typer.echo(f"\n{run['tokens_seen']} tokens: {run['total_bytes']:,} bytes held, {run['ratio']:.4f} of the full "
+                   f"cache's {run['full_cache_bytes']:,}{limit}")
+        typer.echo("layer   held  limit  tokens per tier")
+        for row in run["layers"]:
+            share = "-" if row["limit_bytes"] is None else f"{row['limit_bytes'] / row['full_bytes']:.3f}"
+            kept = ", ".join(f"{name} {count}" for name, count in row["tokens"].items()) or "-"
+            typer.echo(f"{row['layer']:>5}  {row['bytes'] / row['full_bytes']:.3f}  {share:>5}  {kept}")
+    typer.echo("\nheld, limit: the bytes a layer holds and may hold, as a fraction of its uncompressed bytes\n"
+               "tokens per tier: real tokens per batch row and KV head")
 
 
 @app.command()

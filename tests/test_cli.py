@@ -281,3 +281,66 @@ def test_bench_runs_on_the_device_it_is_given(real_model_and_tokenizer, tmp_path
     assert data["metadata"]["device"] == "cpu" and data["metadata"]["model_format"] == "hf"
     identity = next(row for row in data["rows"] if row["name"] == "identity")
     assert identity["kl"] < 1e-9
+
+
+# ------------------------------------------------------------------ memory: where a stack's bytes go
+def _memory(*args: str, **invoke):
+    return runner.invoke(app, ["memory", *args, "--model", str(model_path())], **invoke)
+
+
+def test_memory_reports_each_layer_as_the_filled_cache_holds_it(real_model_and_tokenizer):
+    """The JSON is what a cache filled with the same random prompt holds: bytes, limits and tokens, layer by layer."""
+    import kvstack
+    from kvstack.stack.apply import cache_kwarg
+
+    result = _memory("transform-budget", "--tokens", "64,300", "--seed", "3", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["stack"] == "transform-budget" and report["dtype"] == "float32"
+    model, _ = real_model_and_tokenizer
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
+    with kvstack.applied(model, "transform-budget"), torch.no_grad():
+        for run, n in zip(report["runs"], (64, 300), strict=True):
+            cache = kvstack.cache_for(model)
+            model(ids[:, :n], **{cache_kwarg(model): cache})
+            layers = run["layers"]
+            assert run["tokens_seen"] == n and run["total_bytes"] == cache.memory_bytes()
+            assert [row["bytes"] for row in layers] == [layer.memory_bytes() for layer in cache.layers]
+            assert [row["bytes_by_tier"] for row in layers] == [layer.memory_report() for layer in cache.layers]
+            assert [row["limit_bytes"] for row in layers] == [layer.limit_bytes() for layer in cache.layers]
+            assert [sum(row["tokens"].values()) for row in layers] == [int(k.max()) for k in cache.kept_tokens()]
+            assert run["total_bytes"] <= run["budget_bytes"] == sum(row["limit_bytes"] for row in layers)
+            assert run["budget_bytes"] <= 0.25 * run["full_cache_bytes"] and run["budget"] == "ratio: 0.25"
+    # 300 tokens: every one kept, the newest at 16 bits; 64: the coder's fixed bytes leave room for a few at 16 bits
+    assert set(report["runs"][1]["layers"][0]["tokens"]) == {"full", "quantized-k4v3"}
+    assert sum(report["runs"][1]["layers"][0]["tokens"].values()) == 300
+    assert report["runs"][0]["layers"][0]["tokens"]["quantized-k4v3"] == 0
+
+
+def test_memory_lists_the_layers_asked_for_with_their_share(real_model_and_tokenizer):
+    result = _memory("streaming", "--tokens", "200", "--layers", "3,1")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()  # the tables; model loading reports on stderr
+    assert lines[0].startswith("streaming on ") and lines[0].endswith("budget: tokens: 128")
+    start = lines.index("layer   held  limit  tokens per tier") + 1
+    rows = [line.split(maxsplit=3) for line in lines[start:start + 3]]
+    assert [row[0] for row in rows[:2]] == ["3", "1"] and rows[2] == []  # those two layers, in the order asked
+    for _, held, limit, tokens in rows[:2]:
+        assert limit == "0.640" and float(held) <= 0.640  # 128 of 200 tokens' bytes, positions included
+        assert tokens.startswith("full ") and int(tokens.split()[1]) <= 128
+
+
+def test_memory_rejects_bad_options_by_name(real_model_and_tokenizer, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time")
+    cases = [
+        (["streaming", "--tokens", "0"], "--tokens '0' is not allowed: comma-separated integers >= 1"),
+        (["streaming", "--tokens", "1k"], "--tokens '1k' is not allowed: comma-separated integers >= 1"),
+        (["streaming", "--layers", "5"], "--layers '5' is not allowed: comma-separated integers from 0 to 4"),
+        (["streaming", "--prompt-file", str(tmp_path / "none.txt")], "none.txt' is not a file"),
+        (["streaming", "--prompt-file", str(short), "--tokens", "64"], "short.txt' has 5 tokens: --tokens asks for 64"),
+        (["no-such-preset"], "no-such-preset"),
+    ]
+    for args, message in cases:
+        result = _memory(*args)
+        assert result.exit_code == 2 and message in _flat(result.output), (args, result.output)

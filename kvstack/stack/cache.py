@@ -284,6 +284,14 @@ class StackLayer(CacheLayerMixin):
             report[t.name] = report.get(t.name, 0) + t.memory_bytes()
         return report
 
+    def tokens_report(self) -> dict[str, int]:
+        """Real tokens each exact tier holds per (batch row, KV head): the most over rows and heads."""
+        report: dict[str, int] = {}
+        for t in self.tiers:
+            held = int(t.valid().sum(-1).max()) if t.num_tokens else 0
+            report[t.name] = report.get(t.name, 0) + held
+        return report
+
     # ------------------------------------------------------------ batch-dim operations
     def _map_batch(self, fn) -> None:
         for t in self.all_tiers():
@@ -392,7 +400,9 @@ class KVStackCache(Cache):
         return full_cache_bytes(self.reference_shape, self.get_seq_length(), batch=batch, dtype=dtype)
 
     def memory_report(self) -> dict:
-        """Bytes by layer and by tier, the total, the uncompressed reference and their ratio."""
+        """Bytes by layer and by tier, the total, the uncompressed reference and their ratio; real tokens by layer and
+        tier (``tokens_by_layer``: per batch row and KV head, the most); with a budget, what it allows in all and by
+        layer (``budget_bytes``, ``limit_bytes_by_layer``)."""
         layers = [layer.memory_report() for layer in self.layers]
         by_tier: dict[str, int] = {}
         for rep in layers:
@@ -407,11 +417,13 @@ class KVStackCache(Cache):
             "ratio": total / full if full else 0.0,
             "by_tier": by_tier,
             "by_layer": layers,
+            "tokens_by_layer": [layer.tokens_report() for layer in self.layers],
         }
-        limits = [layer.limit_bytes() for layer in self.layers if layer.is_initialized]
-        if limits and limits[0] is not None:  # the promise (docs/budgets.md): total_bytes never exceeds it
+        limits = [layer.limit_bytes() if layer.is_initialized else None for layer in self.layers]
+        if limits[0] is not None:  # the promise (docs/budgets.md)
             report["budget"] = self.layers[0].promise.budget.describe()
-            report["budget_bytes"] = sum(limits)
+            report["budget_bytes"] = sum(limit or 0 for limit in limits)  # total_bytes never exceeds it
+            report["limit_bytes_by_layer"] = limits
         return report
 
     def kept_tokens(self) -> list[torch.Tensor]:
