@@ -333,12 +333,15 @@ def test_memory_lists_the_layers_asked_for_with_their_share(real_model_and_token
 def test_memory_rejects_bad_options_by_name(real_model_and_tokenizer, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Once upon a time")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
     cases = [
         (["streaming", "--tokens", "0"], "--tokens '0' is not allowed: comma-separated integers >= 1"),
         (["streaming", "--tokens", "1k"], "--tokens '1k' is not allowed: comma-separated integers >= 1"),
         (["streaming", "--layers", "5"], "--layers '5' is not allowed: comma-separated integers from 0 to 4"),
         (["streaming", "--prompt-file", str(tmp_path / "none.txt")], "none.txt' is not a file"),
         (["streaming", "--prompt-file", str(short), "--tokens", "64"], "short.txt' has 5 tokens: --tokens asks for 64"),
+        (["streaming", "--prompt-file", str(latin)], "latin1.txt' is not UTF-8 text"),
         (["no-such-preset"], "no-such-preset"),
     ]
     for args, message in cases:
