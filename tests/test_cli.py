@@ -317,6 +317,26 @@ def test_memory_reports_each_layer_as_the_filled_cache_holds_it(real_model_and_t
     assert report["runs"][0]["layers"][0]["tokens"]["quantized-k4v3"] == 0
 
 
+def test_memory_counts_real_tokens_not_slots(real_model_and_tokenizer):
+    """A KIVI level stores whole key groups: at 128 tokens obcache-kivi's 4-bit level holds a few tokens per KV head
+    in 32 slots, and the command reports the tokens."""
+    import kvstack
+    from kvstack.stack.apply import cache_kwarg
+
+    result = _memory("obcache-kivi", "--tokens", "128", "--layers", "0", "--json")
+    assert result.exit_code == 0, result.output
+    tokens = json.loads(result.stdout)["runs"][0]["layers"][0]["tokens"]
+    model, _ = real_model_and_tokenizer
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    with kvstack.applied(model, "obcache-kivi"), torch.no_grad():
+        cache = kvstack.cache_for(model)
+        model(ids, **{cache_kwarg(model): cache})
+        tiers = {tier.name: tier for tier in cache.layers[0].tiers}
+    coded = tiers["quantized4"]
+    assert 0 < tokens["quantized4"] == int(coded.valid().sum(-1).max()) < coded.num_tokens  # holes are not tokens
+    assert sum(tokens.values()) == int(cache.kept_tokens()[0].max())
+
+
 def test_memory_lists_the_layers_asked_for_with_their_share(real_model_and_tokenizer):
     result = _memory("streaming", "--tokens", "200", "--layers", "3,1")
     assert result.exit_code == 0, result.output
