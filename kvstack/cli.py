@@ -42,6 +42,19 @@ def _check_jsonl(data: Path, fields: tuple[str, ...] = ("text",)) -> None:
             _fail(f"--data {str(data)!r}: line {number} lacks {', '.join(missing)} (each line: {', '.join(fields)})")
 
 
+def _int_list(option: str, value: str, low: int, high: int | None = None, allowed: str | None = None) -> list[int]:
+    """A non-empty comma-separated list of integers in [low, high] for ``option``, or a clear error (``allowed``:
+    what the message says is allowed; default the range)."""
+    try:
+        numbers = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or any(n < low or (high is not None and n > high) for n in numbers):
+        allowed = allowed or (f"integers >= {low}" if high is None else f"integers from {low} to {high}")
+        _fail(f"{option} {value!r} is not allowed: comma-separated {allowed}")
+    return numbers
+
+
 def _version(value: bool) -> None:
     if value:
         from kvstack import __version__
@@ -350,18 +363,6 @@ def generate(
     )
 
 
-def _int_list(option: str, value: str, low: int, high: int | None = None) -> list[int]:
-    """A comma-separated list of integers in [low, high] for ``option``, or a clear error."""
-    try:
-        numbers = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        numbers = []
-    allowed = f"integers >= {low}" if high is None else f"integers from {low} to {high}"
-    if not numbers or any(n < low or (high is not None and n > high) for n in numbers):
-        _fail(f"{option} {value!r} is not allowed: comma-separated {allowed}")
-    return numbers
-
-
 @app.command()
 def memory(
     stack: str = typer.Argument(..., help="Preset name or YAML file."),
@@ -527,17 +528,13 @@ def bench(
         _check_jsonl(data)
     task_indices = None
     if task_ids is not None:
-        try:
-            task_indices = [int(i) for i in task_ids.split(",") if i.strip()]
-        except ValueError:
-            task_indices = []
-        if not task_indices or min(task_indices) < 0:
-            _fail(f"--task-ids {task_ids!r} is not allowed: comma-separated task positions >= 0, e.g. 4,5,26")
+        task_indices = _int_list("--task-ids", task_ids, 0, allowed="task positions >= 0, e.g. 4,5,26")
+    length_values = _int_list("--lengths", lengths, 1, allowed="context lengths, e.g. 1024,2048")
     if out.exists() and not out.is_dir():
         _fail(f"--out {str(out)!r} is a file: give a directory (it is created when missing)")
     _check_model_source(model)
     _run_bench(chosen, model, data, names, out, ratio_values, passages=passages, prefix=prefix, max_len=max_len,
-               decode_prefill=decode_prefill, tasks=tasks, task_indices=task_indices, lengths=lengths,
+               decode_prefill=decode_prefill, tasks=tasks, task_indices=task_indices, lengths=length_values,
                include_8k=include_8k, max_new_tokens=max_new_tokens, dtype=dtype, device=where, threads=threads,
                progress=progress)
 
@@ -562,12 +559,8 @@ def _run_bench(chosen: BenchProtocol, model: str, data: Path, names: list[str], 
             )
             typer.echo(real_model.code_kl_table(result.rows))
         elif chosen is BenchProtocol.needle:
-            try:
-                length_values = [int(n) for n in lengths.split(",") if n.strip()]
-            except ValueError:
-                _fail(f"--lengths {lengths!r} is not allowed: comma-separated context lengths, e.g. 1024,2048")
             result = real_model.needle(
-                model, data, names, out, tasks_per_length=tasks, lengths=length_values, task_indices=task_indices,
+                model, data, names, out, tasks_per_length=tasks, lengths=lengths, task_indices=task_indices,
                 include_8k=include_8k,
                 ratios=ratios, max_new_tokens=max_new_tokens, dtype=dtype_name, device=device, threads=threads,
                 progress=progress,

@@ -222,6 +222,10 @@ def test_cli_bench_rejects_bad_real_model_options(tmp_path):
         result = CliRunner().invoke(app, base + ["--protocol", "needle", "--task-ids", bad])
         assert result.exit_code == 2 and f"--task-ids {bad!r} is not allowed: comma-separated task positions >= 0" \
             in " ".join(result.output.split()), result.output
+    for bad in ("1024,x", "0", ""):
+        result = CliRunner().invoke(app, base + ["--protocol", "needle", "--lengths", bad])
+        assert result.exit_code == 2 and f"--lengths {bad!r} is not allowed: comma-separated context lengths" \
+            in " ".join(result.output.split()), result.output
     data.write_text(json.dumps({"text": "x"}) + "\n")
     result = CliRunner().invoke(app, base + ["--protocol", "code-kl", "--data", str(data)])
     assert result.exit_code == 2 and "neither a config.json" in result.output  # the model is checked last
