@@ -6,6 +6,7 @@ The first run converts the GGUF once into KVSTACK_CACHE_DIR (~30 s); every later
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import fields
 
 import pytest
@@ -75,6 +76,30 @@ def test_loader_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(models.ModelLoadError, match="dtype='int8' is not allowed"):
         models.parse_dtype("int8")
     assert isinstance(models.ModelLoadError("x"), kvstack.KVStackError)
+
+
+def test_converted_copy_is_keyed_by_content_and_replaces_copies_of_earlier_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"first version")
+    first = models.converted_dir(gguf)
+    os.utime(gguf, ns=(1, 1))  # touched or copied: the same bytes keep their copy
+    assert models.converted_dir(gguf) == first
+    gguf.write_bytes(b"second version")
+    second = models.converted_dir(gguf)
+    assert second != first and second.parent == first.parent == models.cache_root() / "gguf"
+    other = tmp_path / "elsewhere" / "m.gguf"  # the same name in another folder is another file
+    other.parent.mkdir()
+    other.write_bytes(b"first version")
+    cache = first.parent
+    copies = {first: gguf, second: gguf, cache / "m-old-layout": gguf, cache / "m-other": other}
+    for copy, source in copies.items():
+        copy.mkdir(parents=True)
+        (copy / models.MARKER).write_text(json.dumps({"gguf_path": str(source.resolve())}))
+    (cache / "m-unmarked").mkdir()
+    removed = models.remove_stale_copies(gguf, keep=second)
+    assert sorted(p.name for p in removed) == sorted([first.name, "m-old-layout"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, "m-other", "m-unmarked"])
 
 
 def _identity_vs_uncompressed(model, ids: torch.Tensor):

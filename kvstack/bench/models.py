@@ -6,8 +6,8 @@ GGUF goes through transformers' own GGUF support (the PyPI packages ``gguf`` and
 ``pip install -e '.[gguf]'``), which dequantizes every weight — slow (10-30 s on 2 CPU cores). So that happens ONCE:
 the dequantized model is written, in float32 (the exact dequantized values), with its tokenizer, as an HF-format
 directory in a cache outside the repository (``KVSTACK_CACHE_DIR``, default ``~/.cache/kvstack``), keyed by the
-file's name, size and modification time; every later load reads that copy (about a second), and needs neither
-package.
+file's name and a hash of its bytes; every later load reads that copy (about a second), and needs neither package.
+A conversion removes the copies made from earlier versions of the same file, so the cache holds one per file.
 
 Default dtype: bfloat16 for a GGUF model (its weights are 4-8-bit blocks, so bfloat16 loses little, and on CPUs with
 bf16 matmuls it prefills ~2.5x faster than float32), the config's ``dtype`` for an HF directory. ``dtype=`` overrides
@@ -16,6 +16,8 @@ either (``torch.float32``, or a name: ``float32``/``fp32``, ``bfloat16``/``bf16`
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -103,9 +105,37 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def converted_dir(gguf: Path) -> Path:
-    """Where the HF-format copy of ``gguf`` lives: keyed by its name, size and modification time."""
+    """Where the HF-format copy of ``gguf`` lives: keyed by its name and a hash of its bytes, so a file that is copied
+    or touched (a new modification time, the same bytes) keeps its copy, and a changed file gets a new one."""
     stat = gguf.stat()
-    return cache_root() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    digest = _content_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    return cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+
+
+@functools.lru_cache(maxsize=8)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """The first 16 hex digits of the file's SHA-256 (about 0.2 s for 100 MB); size and time key the memo only."""
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()[:16]
+
+
+def remove_stale_copies(gguf: Path, keep: Path) -> list[Path]:
+    """Delete the converted copies, other than ``keep``, whose marker names ``gguf``'s path: copies of earlier
+    versions of the same file, which no load reads again. Returns what was deleted."""
+    source = str(gguf.resolve())
+    stale = []
+    for copy in keep.parent.glob(f"{gguf.stem}-*"):
+        marker = copy / MARKER
+        if copy == keep or not marker.is_file():
+            continue
+        try:
+            recorded = json.loads(marker.read_text()).get("gguf_path")
+        except (OSError, ValueError):  # unreadable: not ours to judge
+            continue
+        if recorded == source:
+            shutil.rmtree(copy, ignore_errors=True)
+            stale.append(copy)
+    return stale
 
 
 def missing_gguf_packages() -> list[str]:
@@ -170,6 +200,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_copies(gguf, keep=target)
     return target
 
 
