@@ -255,6 +255,33 @@ def test_merged_groups_hold_the_kept_keys_quantized_together(seed, drop, bits):
             assert torch.equal(k[~whole], expected)
 
 
+@FAST
+@given(seed=st.integers(0, 10_000), steps=st.lists(st.tuples(st.integers(0, 13), st.floats(0.0, 0.9)), max_size=8),
+       g=st.sampled_from([4, 8]))
+def test_a_tier_never_holds_a_group_beyond_its_tokens(seed, steps, g):
+    """After any run of appends (of any size, with padding) and selections (drops anywhere), every (row, head) holds
+    fewer than a group of empty slots, so the tier's slots are ``g * ceil(kept / g)`` for the row and head holding
+    the most: the cost ``LevelSplit`` charges a level for its kept tokens, with no group for holes."""
+    gen = torch.Generator().manual_seed(seed)
+    tier, next_pos = None, 0
+    for arrivals, drop in steps:
+        if arrivals:
+            keys, values = torch.randn(2, 2, arrivals, 8, generator=gen), torch.randn(2, 2, arrivals, 8, generator=gen)
+            positions = torch.arange(next_pos, next_pos + arrivals, dtype=torch.int32).expand(2, 1, arrivals)
+            next_pos += arrivals
+            if tier is None:
+                tier = QuantizedTier(4, g, 8, torch.float32, label="test", name="quantized")
+            tier.append(keys, values, positions)
+        if tier is not None and tier.num_tokens:
+            keep = (torch.rand(2, 2, tier.num_tokens, generator=gen) >= drop) & tier.valid()
+            tier.select(*kvstack.stack.cache.compaction_index(keep))
+        if tier is not None:
+            kept = tier.valid().sum(-1)
+            assert tier.num_tokens == g * math.ceil(int(kept.max()) / g)
+            groups = tier.valid().reshape(*kept.shape, -1, g).any(-1).sum(-1)
+            assert bool((groups * g - kept < g).all())
+
+
 def test_dropping_the_oldest_token_leaves_holes_not_requantization():
     keys, values = torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8)
     tier = tier_with(keys, values)

@@ -28,8 +28,12 @@ and move exactly. A key group loses only the removed tokens' slots, which become
 a group with no token left is dropped. When the holes of a (row, head) reach ``group_size`` — one group's worth of
 wasted bytes — the tokens of the groups with holes are dequantized and re-quantized together into as few groups as
 possible (groups without holes keep their codes). That re-quantization adds at most half of the new group's scale
-to those keys' error. So every (row, head) holds at most ``group_size * ceil((kept + group_size - 1) / group_size)``
-slots (fewer than ``group_size`` holes), which ``plan_memory`` counts when an earlier stage removes tokens.
+to those keys' error. Appends pad to whole groups and merge the same way. So after every append and selection each
+(row, head) holds fewer than ``group_size`` empty slots, that is exactly ``ceil(kept / group_size)`` groups: holes
+never cost a group of their own, and the tier's slots are ``group_size * ceil(kept / group_size)`` for the (row,
+head) keeping the most (what the quantized-pruning levels charge). ``plan_memory`` charges one group more when an
+earlier stage removes tokens: heads then split their tokens between this tier and the full one differently, and each
+tier pads to its fullest head.
 """
 
 from __future__ import annotations
@@ -493,8 +497,9 @@ class QuantizeSpec(StageSpec, QuantOptions):
             held = plan.seq_len if window is None else min(plan.seq_len, window - 1)
             if full.tokens == held and len(layer.tiers) == 1:
                 residual = kivi_residual(plan.seq_len, plan.prefill_len, r, g, window)
-            else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens,
-                # and a KIVI tier may hold up to g - 1 holes (one more group) before it merges them
+            else:  # an earlier stage removes tokens: any split with at most r + g - 1 full-precision tokens. Heads
+                # split their tokens differently (each tier pads to its fullest head: one head's residual with
+                # another's quantized count), which one more key group's slots covers
                 c = full.tokens
                 if not self.transform_coded:
                     cost = lambda n, exact=cost: exact(n + g - 1) if n else 0  # noqa: E731

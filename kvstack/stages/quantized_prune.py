@@ -466,9 +466,8 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
                 costs.append(lambda n, c=full: n * c)
             elif self.transform_coded:  # codes per token: no groups, no holes
                 costs.append(self.slot_bytes(shape, dtype, level, extra))
-            else:  # whole key groups, and the holes of up to one more before the tier merges them
-                slots = self.slot_bytes(shape, dtype, level, extra)
-                costs.append(lambda n, f=slots, g=self.group_size: f(n + g - 1) if n else 0)
+            else:  # whole key groups: a tier's holes never add up to a group (QuantizedTier)
+                costs.append(self.slot_bytes(shape, dtype, level, extra))
         slack = self.period - 1 if self.keeps_budget() else 0  # the short form's budget is a selection rule
         return LevelSplit(
             budget, reference_bytes_per_token(reference or shape, dtype), costs, full, slack,
@@ -574,6 +573,10 @@ class LevelSplit:
         self.full, self.slack, self.cumulative, self.fixed = full, slack, cumulative, fixed
         self.fill, self.group = fill, group  # a fill tier; the key group of the quantized levels
         self.protected = protected if fill else 0  # tokens the fill tier holds first
+        # a level between two fractions (floor(C_i x) - floor(C_(i-1) x)) can hold one token more for fewer kept
+        # tokens, and a batch's tensors hold every row at its fullest one's count: such a level is charged that token
+        middle = [] if cumulative is None else [int(i > 0 and c is not None) for i, c in enumerate(cumulative)]
+        self.spare = [0] * (len(costs) - len(middle)) + middle
         self._cache: dict[tuple, int] = {}
 
     def counts(self, n: int, fill: int = 0) -> list[int]:
@@ -586,7 +589,7 @@ class LevelSplit:
         return [top, *below] if self.fill else below
 
     def cost(self, n: int, fill: int = 0) -> int:
-        return sum(cost(count) for cost, count in zip(self.costs, self.counts(n, fill)))
+        return sum(cost(count + spare) for cost, count, spare in zip(self.costs, self.counts(n, fill), self.spare))
 
     def _limit(self, seen: int, reserved: int) -> int:
         return self.promise.limit(seen) - reserved - self.fixed
