@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import fields
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -76,6 +78,10 @@ def test_results_json_has_every_row_and_field(bench_run):
     assert (meta["passages"], meta["protocol"], meta["prefix"], meta["max_len"]) == (2, "prefill", PREFIX, MAX_LEN)
     assert meta["versions"]["transformers"] == transformers.__version__
     assert meta["versions"]["torch"] == torch.__version__
+    # the commit that reruns the figure: the tests run from a checkout (CI clones one)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert meta["versions"]["kvstack_commit"] in (head, head + "+dirty")
     assert meta["baselines"]["quantized_cache"]["fp8"] == "ran"
     assert set(meta["baselines"]["quantized_cache"]) == set(harness.QUANTIZED_BACKENDS)
 

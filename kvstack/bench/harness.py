@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -258,10 +259,6 @@ def run_bench(
         )
         for (run, r), flag in zip(results, flags)
     ]
-    import transformers
-
-    import kvstack
-
     metadata = {
         "passages": len(passages),
         "protocol": protocol_name,
@@ -274,14 +271,39 @@ def run_bench(
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
         "baselines": {"full_cache": "transformers DynamicCache", "quantized_cache": backend_status},
-        "versions": {
-            "kvstack": kvstack.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(),
     }
     return BenchResult(rows, metadata)
+
+
+
+def versions() -> dict:
+    """The versions a result was measured with, and kvstack's git commit when it runs from a checkout (``+dirty``
+    with uncommitted changes; None otherwise): the commit to check out to rerun a figure as it was measured."""
+    import transformers
+
+    import kvstack
+
+    return {
+        "kvstack": kvstack.__version__,
+        "kvstack_commit": _git_commit(Path(kvstack.__file__).resolve().parent),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _git_commit(package: Path) -> str | None:
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10,
+                              check=True)
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+        return None
 
 
 def bench(

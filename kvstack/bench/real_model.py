@@ -43,7 +43,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,10 +162,6 @@ def _run_fields(run: harness.Run) -> dict:
 
 
 def _metadata(model, presets, ratios, **settings) -> dict:
-    import transformers
-
-    import kvstack
-
     return {
         **settings,
         "presets": list(presets),
@@ -176,12 +171,7 @@ def _metadata(model, presets, ratios, **settings) -> dict:
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "baseline": f"{FULL_CACHE}: transformers DynamicCache",
-        "versions": {
-            "kvstack": kvstack.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": harness.versions(),
     }
 
 
