@@ -192,6 +192,7 @@ def run_bench(
     from tqdm.auto import tqdm
 
     check_protocol(protocol_name, prefix, decode_prefill)
+    measured_with = versions()  # at the start: the code the rows come from
     ids_list = protocol.passage_ids(model, tokenizer, passages, max_len)
     for i, ids in enumerate(ids_list):
         if ids.shape[0] <= prefix:
@@ -271,7 +272,7 @@ def run_bench(
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
         "baselines": {"full_cache": "transformers DynamicCache", "quantized_cache": backend_status},
-        "versions": versions(),
+        "versions": measured_with,
     }
     return BenchResult(rows, metadata)
 

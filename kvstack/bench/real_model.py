@@ -161,7 +161,7 @@ def _run_fields(run: harness.Run) -> dict:
     )  # fmt: skip
 
 
-def _metadata(model, presets, ratios, **settings) -> dict:
+def _metadata(model, presets, ratios, measured_with: dict, **settings) -> dict:
     return {
         **settings,
         "presets": list(presets),
@@ -171,7 +171,7 @@ def _metadata(model, presets, ratios, **settings) -> dict:
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "baseline": f"{FULL_CACHE}: transformers DynamicCache",
-        "versions": harness.versions(),
+        "versions": measured_with,
     }
 
 
@@ -318,6 +318,7 @@ def run_code_kl(
     progress: bool = True,
 ) -> RealModelResult:
     """The ``code_kl`` protocol (module docstring) for the full cache and every preset run, references shared."""
+    measured_with = harness.versions()  # at the start: the code the rows come from
     device = next(model.parameters()).device
     ids_list = [
         torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"][:max_len], device=device) for t in passages
@@ -390,8 +391,8 @@ def run_code_kl(
     for row, flag in zip(rows, harness.pareto_flags([(r.memory_ratio, r.kl) for r in rows])):
         row.pareto = flag
     metadata = _metadata(
-        model, presets, ratios, protocol="code-kl", passages=len(passages), prefix=prefix, max_len=max_len,
-        decode_steps_per_passage=[int(ids.shape[0]) - 1 - prefix for ids in ids_list],
+        model, presets, ratios, measured_with, protocol="code-kl", passages=len(passages), prefix=prefix,
+        max_len=max_len, decode_steps_per_passage=[int(ids.shape[0]) - 1 - prefix for ids in ids_list],
         tokenization="text without special tokens, truncated to max_len",
     )  # fmt: skip
     return RealModelResult(rows, metadata)
@@ -564,6 +565,7 @@ def run_needle(
     progress: bool = True,
 ) -> RealModelResult:
     """The ``needle`` protocol (module docstring) for the full cache and every preset run."""
+    measured_with = harness.versions()  # at the start: the code the rows come from
     runs = _runs(model, presets, ratios)
     full_per_token = full_cache_bytes(model.config, 1, dtype=models.model_dtype(model))
     eos = _eos_ids(model, tokenizer)
@@ -614,8 +616,9 @@ def run_needle(
     for row, flag in zip(rows, harness.pareto_flags([(r.memory_ratio, 1 - r.accuracy) for r in rows])):
         row.pareto = flag
     metadata = _metadata(
-        model, presets, ratios, protocol="needle", tasks=len(tasks), lengths=lengths, max_new_tokens=max_new_tokens,
-        prompt=NEEDLE_PROMPT, scoring="a task counts when `answer` appears in the greedy reply (EOS stops it)",
+        model, presets, ratios, measured_with, protocol="needle", tasks=len(tasks), lengths=lengths,
+        max_new_tokens=max_new_tokens, prompt=NEEDLE_PROMPT,
+        scoring="a task counts when `answer` appears in the greedy reply (EOS stops it)",
     )  # fmt: skip
     return RealModelResult(rows, metadata)
 
