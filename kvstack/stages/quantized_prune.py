@@ -546,7 +546,8 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
 
 class LevelSplit:
     """Level bounds of one stage. ``cap(seen, reserved)`` is the kept count ``N``: without a budget every held token;
-    with one, the largest ``N`` whose levels cost (``costs[i](count_i)`` bytes per row) at most the layer's limit
+    with one, the largest ``N`` whose levels cost (``costs[i](count_i + spare_i)`` bytes per row; ``spare_i`` is 1 for a
+    level between two fractions, whose count a shorter row of a batch can exceed by one) at most the layer's limit
     (``scale`` — the layer's share, ``layer_scale`` — times ``budget`` against ``reference`` bytes per
     uncompressed token) less ``reserved`` bytes and the ``slack`` tokens
     that arrive at ``full`` bytes each before the next assignment (less the budget's growth meanwhile), and at most
