@@ -62,6 +62,24 @@ def rows_by_name(data) -> dict[str, dict]:
     return {row["name"]: row for row in data["rows"]}
 
 
+def test_no_commit_is_recorded_for_a_kvstack_outside_its_own_checkout(tmp_path):
+    """An installed kvstack inside a venv that some other repository ignores reports no commit, not that repository's;
+    so does one outside any repository."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t", *args], check=True,
+                       capture_output=True)
+
+    package = tmp_path / "venv" / "kvstack"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    assert harness._git_commit(package) is None  # no repository at all
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("venv/\n")
+    git("add", ".gitignore")
+    git("commit", "-q", "-m", "a project around the venv")
+    assert harness._git_commit(package) is None
+
+
 def test_results_json_has_every_row_and_field(bench_run):
     _, data, _ = bench_run
     rows = rows_by_name(data)

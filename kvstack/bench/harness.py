@@ -301,6 +301,7 @@ def _git_commit(package: Path) -> str | None:
         return done.stdout.strip()
 
     try:
+        git("ls-files", "--error-unmatch", "__init__.py")  # kvstack's own checkout, not a repository around a venv
         commit = git("rev-parse", "HEAD")
         return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
