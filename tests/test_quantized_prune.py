@@ -696,6 +696,27 @@ def test_a_level_between_two_fractions_can_shrink_as_more_tokens_are_kept():
     assert split.spare == [0, 1, 0] and split.cost(6) == 7
 
 
+def test_the_memory_bound_counts_the_spare_token_a_padded_row_holds():
+    """A middle level (fractions 0.5 and 0.1) holds one token more in a padded row than in the fullest one (1 at 5
+    kept, 0 at 6), and its tensors hold both rows at the most: ``memory_bound`` for a batch counts that token, as the
+    budget does (``LevelSplit.spare``). Re-assigned every step, no 16-bit slack covers it."""
+    model = tiny_model("llama")
+    tiers = [{"fraction": 0.5, "bits": 8}, {"fraction": 0.1, "bits": 4}, {"rest": True, "bits": 2}]
+    spec = kvstack.StackSpec.load(stack(scorer="key_norm", n_sink=0, every=1, tiers=tiers))
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    with kvstack.applied(model, spec), torch.inference_mode():
+        cache = kvstack.cache_for(model)
+        model(ids[:, :4], attention_mask=mask[:, :4], cache=cache)
+        middle = []
+        for t in range(4, 12):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache)
+            middle.append(cache.layers[0].tiers[2].valid().sum(-1)[:, 0].tolist())
+            assert cache.memory_bytes() <= spec.memory_bound(model.config, t + 1, batch=2, prefill_len=4)
+    assert [0, 1] in middle  # the shorter row held the middle level's token while the fuller one held none
+
+
 @pytest.mark.parametrize(("preset", "sinks_from", "every_token_from"),
                          [("kivi-3-budget", 17, 358), ("transform-budget", 22, 966)])
 def test_the_budget_presets_keep_every_token_from_the_documented_length_with_the_sinks_at_16_bits(

@@ -464,9 +464,7 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         for level in levels[: 1 if self.tiers is None else None]:  # short form: the 16-bit count is sized
             if level.bits == 16:
                 costs.append(lambda n, c=full: n * c)
-            elif self.transform_coded:  # codes per token: no groups, no holes
-                costs.append(self.slot_bytes(shape, dtype, level, extra))
-            else:  # whole key groups: a tier's holes never add up to a group (QuantizedTier)
+            else:  # transform-coded: codes per token; KIVI: whole key groups (a tier's holes never add up to one)
                 costs.append(self.slot_bytes(shape, dtype, level, extra))
         slack = self.period - 1 if self.keeps_budget() else 0  # the short form's budget is a selection rule
         return LevelSplit(
@@ -511,11 +509,7 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         self, shape, dtype, stack_budget, seen: int, held: int, layer_idx: int | None = None
     ) -> list[int]:
         """Tokens per level (per row and KV head) of layer ``layer_idx``; tokens beyond their sum are evicted."""
-        split = self.level_split(shape, dtype, stack_budget, layer_idx=layer_idx)
-        cap = split.cap(seen)
-        fill = split.fill_count(seen, 0, min(cap, held)) if split.fill else 0
-        bounds = split.bounds(cap, torch.tensor([held]), fill)[0].tolist()
-        return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+        return self.level_split(shape, dtype, stack_budget, layer_idx=layer_idx).level_counts(seen, held)
 
     def plan_memory(self, plan, stack_budget) -> None:
         shape = plan.shape
@@ -524,7 +518,10 @@ class QuantizedPruneSpec(ScorerOptions, LayerWeights, StageSpec, QuantOptions):
         records = get_scorer(self.scorer)(self, shape).record_bytes_per_token(shape)
         for i, layer in enumerate(plan.layers):
             full = layer.tier("full")
-            counts = self.level_counts(shape, plan.dtype, stack_budget, plan.seq_len, full.tokens, i)
+            split = self.level_split(shape, plan.dtype, stack_budget, layer_idx=i)
+            counts = split.level_counts(plan.seq_len, full.tokens)
+            if plan.batch > 1:  # a shorter (padded) row can hold a level's spare token: the tensors hold the most
+                counts = [count + spare for count, spare in zip(counts, split.spare)]
             full.bytes_for = lambda n, base=full_cost: base(n) + n * records
             quantized = 0
             levels = self.levels(i)
@@ -591,6 +588,13 @@ class LevelSplit:
 
     def cost(self, n: int, fill: int = 0) -> int:
         return sum(cost(count + spare) for cost, count, spare in zip(self.costs, self.counts(n, fill), self.spare))
+
+    def level_counts(self, seen: int, held: int) -> list[int]:
+        """Tokens per level (per row and KV head) once ``held`` of ``seen`` tokens are assigned (one row)."""
+        cap = self.cap(seen)
+        fill = self.fill_count(seen, 0, min(cap, held)) if self.fill else 0
+        bounds = self.bounds(cap, torch.tensor([held]), fill)[0].tolist()
+        return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
     def _limit(self, seen: int, reserved: int) -> int:
         return self.promise.limit(seen) - reserved - self.fixed
