@@ -79,6 +79,22 @@ def _load(source: str):
         _fail(str(err))
 
 
+def _with_ratio(spec, ratio: float):
+    """``spec`` held to ``ratio`` as the bench's ratio override holds it, or a named error."""
+    from kvstack import KVStackError
+    from kvstack.bench.harness import takes_budget, with_ratio
+
+    if not 0 < ratio <= 1:
+        _fail(f"--ratio {ratio:g} is not allowed: a number in (0, 1]")
+    if not takes_budget(spec):
+        _fail(f"--ratio {ratio:g} is not allowed for {spec.name}: it takes no budget (neither the stack nor a stage "
+              "sets one), so there is none to replace")
+    try:
+        return with_ratio(spec, ratio)
+    except KVStackError as err:
+        _fail(str(err))
+
+
 @app.command()
 def presets(tokens: int = typer.Option(4096, min=1, help="Tokens seen for the analytic memory ratio.")) -> None:
     """List the shipped presets: name, memory ratio at TOKENS on a Llama-3-8B-shaped cache, description."""
@@ -375,6 +391,9 @@ def memory(
     dtype: Optional[DType] = typer.Option(None, case_sensitive=False, help=DTYPE_HELP),
     device: Device = typer.Option(Device.auto, case_sensitive=False, help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the tables."),
+    ratio: Optional[float] = typer.Option(None, help="Hold a stack that takes a budget to this memory ratio instead "
+                                          "of its own: the stack budget := {ratio: r} and stage-level budgets "
+                                          "dropped, as kvstack bench --ratios does."),
 ) -> None:
     """Where a stack's bytes go: prefill a prompt of each length, then list every layer's tokens per tier, the bytes
     it holds and the bytes its share of the budget allows (both as a fraction of the layer's uncompressed bytes),
@@ -386,6 +405,8 @@ def memory(
 
     lengths = _int_list("--tokens", tokens, 1)
     spec = _load(stack)
+    if ratio is not None:
+        spec = _with_ratio(spec, ratio)
     where = _resolve_device(device)
     if prompt_file is not None and not prompt_file.is_file():
         _fail(f"--prompt-file {str(prompt_file)!r} is not a file")

@@ -350,6 +350,23 @@ def test_memory_lists_the_layers_asked_for_with_their_share(real_model_and_token
         assert tokens.startswith("full ") and int(tokens.split()[1]) <= 128
 
 
+def test_memory_holds_the_stack_to_the_ratio_asked_for(real_model_and_tokenizer):
+    """--ratio replaces the stack's budget as bench --ratios does: the limit and what is held follow the new ratio."""
+    runs = {}
+    for args in ((), ("--ratio", "0.5")):
+        result = _memory("transform-budget", "--tokens", "300", "--layers", "0", "--json", *args)
+        assert result.exit_code == 0, result.output
+        runs[args] = json.loads(result.stdout)["runs"][0]
+    own, half = runs[()], runs[("--ratio", "0.5")]
+    assert own["budget"] == "ratio: 0.25" and half["budget"] == "ratio: 0.5"
+    assert own["budget_bytes"] <= 0.25 * own["full_cache_bytes"] < 0.49 * half["full_cache_bytes"]
+    assert 0.49 * half["full_cache_bytes"] < half["budget_bytes"] <= 0.5 * half["full_cache_bytes"]
+    assert own["total_bytes"] <= own["budget_bytes"] < half["total_bytes"] <= half["budget_bytes"]
+    # every token is kept either way; the bytes the larger budget leaves go to more tokens at 16 bits
+    own_tokens, half_tokens = own["layers"][0]["tokens"], half["layers"][0]["tokens"]
+    assert sum(own_tokens.values()) == sum(half_tokens.values()) == 300 and half_tokens["full"] > own_tokens["full"]
+
+
 def test_memory_rejects_bad_options_by_name(real_model_and_tokenizer, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Once upon a time")
@@ -363,6 +380,9 @@ def test_memory_rejects_bad_options_by_name(real_model_and_tokenizer, tmp_path):
         (["streaming", "--prompt-file", str(short), "--tokens", "64"], "short.txt' has 5 tokens: --tokens asks for 64"),
         (["streaming", "--prompt-file", str(latin)], "latin1.txt' is not UTF-8 text"),
         (["no-such-preset"], "no-such-preset"),
+        (["streaming", "--ratio", "1.5"], "--ratio 1.5 is not allowed: a number in (0, 1]"),
+        (["streaming", "--ratio", "0"], "--ratio 0 is not allowed: a number in (0, 1]"),
+        (["kivi-4", "--ratio", "0.25"], "--ratio 0.25 is not allowed for kivi-4: it takes no budget"),
     ]
     for args, message in cases:
         result = _memory(*args)
